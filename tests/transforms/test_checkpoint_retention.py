@@ -1,0 +1,101 @@
+"""checkpoint_retention: the fixture edits, and vLLM's real Scheduler on both trees.
+
+Measured on vLLM 0.32.0 (block size 16, hybrid FA + Mamba align; prompt 40,
+the next turn's prompt = prompt + the previous output + 20 new tokens):
+
+                                     Mamba states hashed   per-group hits  next-turn local hit
+pristine, retention 0, 30 output     [32]                  (64, 32)        32
+pristine, dense retention (None)     [32, 48, 64]          (64, 64)        64   (the reference)
+pristine, retention 0, 25 output,
+  delayed free (ends on 64)          [32]                  (64, 32)        32
+transformed, retention 0, both keys  [32, 64]              (64, 64)        64
+  25 output, delayed free            [32, 64]              (64, 64)        64
+transformed, retention 0, retain
+  only (no drop)                     [32, 48, 64]          (64, 64)        64
+
+Every hashed state past the prompt sits in the block the worker last wrote
+the running state into, at exactly its hashed position (decode_states_invalid
+is empty).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from transforms.checkpoint_retention import DROP_KEY, RETAIN_KEY, SCHEDULER, SINGLE_TYPE, TRANSFORM
+from transforms.engine import transform_source
+from trees import run_scenario
+
+FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_retention"
+SCENARIO = "transforms.scenarios.checkpoint_retention"
+
+
+@pytest.mark.parametrize(
+    ("relpath", "folder"), [(SCHEDULER, "scheduler"), (SINGLE_TYPE, "single_type_kv_cache_manager")]
+)
+def test_fixture_before_to_after_and_idempotent(relpath, folder):
+    before = (FIXTURES / folder / "before.py").read_text()
+    after = (FIXTURES / folder / "after.py").read_text()
+    assert transform_source(relpath, before, [TRANSFORM]) == after
+    assert transform_source(relpath, after, [TRANSFORM]) == after
+
+
+def test_transform_note_and_keys():
+    assert TRANSFORM.id == "checkpoint_retention"
+    assert TRANSFORM.why and TRANSFORM.what_changes and TRANSFORM.removal_plan
+    assert set(TRANSFORM.config_keys) == {RETAIN_KEY, DROP_KEY} == {
+        "sparkcache_retain_decode_checkpoint",
+        "sparkcache_drop_superseded_checkpoint",
+    }
+    assert set(TRANSFORM.edits) == {SCHEDULER, SINGLE_TYPE}
+
+
+def _summary(case: dict) -> tuple:
+    return (
+        case["mamba_state_positions"],
+        tuple(case["per_group_hits"]),
+        case["next_turn_local_hit"],
+        case["next_turn_external"],
+        case["next_turn_num_computed_tokens"],
+    )
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    result = run_scenario(None, SCENARIO, options_on=False)
+    result.pop("_scheduler_file")
+    return result
+
+
+def test_pristine_loses_the_decode_checkpoint(pristine):
+    # Retention 0: only the prompt's replay boundary (32) is hashed; the next turn stops there
+    # although attention is resident to 64.
+    assert _summary(pristine["retention_0"]) == ([32], (64, 32), 32, 0, 32)
+    assert _summary(pristine["ends_on_boundary_delayed_free"]) == ([32], (64, 32), 32, 0, 32)
+    # Dense retention, the reference: the decode states at 48 and 64 are hashed; hit 64.
+    assert _summary(pristine["dense_reference"]) == ([32, 48, 64], (64, 64), 64, 0, 64)
+    assert all(not case["decode_states_invalid"] for case in pristine.values() if isinstance(case, dict))
+
+
+def test_transformed_keeps_the_newest_decode_checkpoint(transformed_tree, pristine):
+    on = run_scenario(transformed_tree, SCENARIO, options_on=True)
+    assert on.pop("_scheduler_file").startswith(str(transformed_tree))
+    # Retention 0 + both keys: 48 kept then dropped when 64 supersedes it; hit 64 like dense.
+    assert _summary(on["retention_0"]) == ([32, 64], (64, 64), 64, 0, 64)
+    # The run ends with the state at 64 in its running block; it survives _connector_finished
+    # and the delayed free.
+    assert _summary(on["ends_on_boundary_delayed_free"]) == ([32, 64], (64, 64), 64, 0, 64)
+    # Without the drop key every decode boundary state stays hashed.
+    assert _summary(on["retain_only"]) == ([32, 48, 64], (64, 64), 64, 0, 64)
+    # Dense retention is untouched.
+    assert on["dense_reference"] == pristine["dense_reference"]
+    # Every kept state is the real state at its boundary.
+    assert all(not case["decode_states_invalid"] for case in on.values() if isinstance(case, dict))
+
+
+def test_transformed_with_options_off_is_upstream(transformed_tree, pristine):
+    off = run_scenario(transformed_tree, SCENARIO, options_on=False)
+    assert off.pop("_scheduler_file").startswith(str(transformed_tree))
+    assert off == pristine

@@ -1,0 +1,155 @@
+"""lease_accounting: the fixture edits, and vLLM's real Scheduler on both trees.
+
+Measured on vLLM 0.32.0 (block size 16, hybrid FA + Mamba align, retention 0,
+100 blocks; prompt range(100, 180), 5 output tokens, ProbeConnector delaying
+the free until finished_sending; the next turn = prompt + reply + 32 tokens):
+
+                              Mamba@64 retired   free-queue position after release    next turn
+                              (ref 1 -> 0) at    checkpoint   attention blocks        per-group    local hit
+pristine                      computed=82        93           94..98 (0-15 at 98)     (80, 0)      0
+transformed, lease on         computed=82        98 (last)    93..97                  (80, 64)     64
+  (held with ref 1 during the lease; 8 leased blocks: 6 attention, 1 Mamba, the checkpoint)
+
+Pressure = a real allocation of every free block queued ahead of the
+request's attention blocks (94 pristine, 93 transformed), so every attention
+block stays resident. Expiry (30 s lease, fake clock, no finished_sending):
+pristine holds the blocks and keeps the engine busy; transformed frees them at
+the next step's start. A second finished_sending: pristine AssertionError,
+transformed ignored and counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from transforms.engine import transform_source
+from transforms.lease_accounting import LEASE_KEY, SCHEDULER, SINGLE_TYPE, STATS, TRANSFORM
+from trees import run_scenario
+
+FIXTURES = Path(__file__).parent / "fixtures" / "lease_accounting"
+SCENARIO = "transforms.scenarios.lease_accounting"
+
+
+@pytest.mark.parametrize(
+    ("relpath", "folder"),
+    [(SCHEDULER, "scheduler"), (SINGLE_TYPE, "single_type_kv_cache_manager"), (STATS, "stats")],
+)
+def test_fixture_before_to_after_and_idempotent(relpath, folder):
+    before = (FIXTURES / folder / "before.py").read_text()
+    after = (FIXTURES / folder / "after.py").read_text()
+    assert before != after
+    assert transform_source(relpath, before, [TRANSFORM]) == after
+    assert transform_source(relpath, after, [TRANSFORM]) == after
+
+
+def test_transform_note_and_keys():
+    assert TRANSFORM.id == "lease_accounting"
+    assert TRANSFORM.why and TRANSFORM.what_changes and TRANSFORM.removal_plan
+    assert set(TRANSFORM.config_keys) == {LEASE_KEY} == {"sparkcache_gpu_lease_seconds"}
+    assert set(TRANSFORM.edits) == {SCHEDULER, SINGLE_TYPE, STATS}
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    result = run_scenario(None, SCENARIO, options_on=False)
+    result.pop("_scheduler_file")
+    return result
+
+
+@pytest.fixture(scope="module")
+def leased(transformed_tree):
+    result = run_scenario(transformed_tree, SCENARIO, options_on=True)
+    result.pop("_scheduler_file")
+    return result
+
+
+def test_pristine_evicts_the_retired_checkpoint_first(pristine):
+    case = pristine["checkpoint_eviction"]
+    assert case["checkpoint_retired_at_computed"] == 82  # the 2nd decode step
+    assert case["during_lease"] == {
+        "held": True,
+        "checkpoint_ref_cnt": 0,
+        "leased_blocks": None,
+        "stats_leased_blocks": None,
+    }
+    after = case["after_release"]
+    # Queued ahead of every attention block of its prefix: evicted first.
+    assert after["checkpoint_position"] < min(after["attention_positions"])
+    assert (after["checkpoint_position"], after["first_attention_block_position"]) == (93, 98)
+    assert case["evicted_oldest_free_blocks"] == min(after["attention_positions"]) == 94
+    assert case["checkpoint_survived"] is False
+    assert case["next_turn_per_group_hits"] == {"attention": 80, "mamba": 0}
+    assert case["next_turn_external"] == [0]
+    assert case["next_turn_local_hit"] == 0
+
+
+def test_pristine_leaks_without_report_and_asserts_on_a_late_one(pristine):
+    case = pristine["expiry"]
+    assert case["held_after_deadline_step"] is True
+    assert case["engine_busy_after_deadline_step"] is True
+    assert case["free_blocks_after_deadline_step"] == case["free_blocks_at_finish"] < case["free_blocks_total"]
+    assert case["release_error"] is None  # the first report frees the blocks
+    assert case["late_report_error"] in ("AssertionError", "KeyError")  # KeyError under python -O
+
+
+def test_lease_holds_the_checkpoint_and_frees_it_last(leased):
+    case = leased["checkpoint_eviction"]
+    assert case["checkpoint_retired_at_computed"] == 82
+    assert case["during_lease"] == {
+        "held": True,
+        "checkpoint_ref_cnt": 1,
+        "leased_blocks": 8,  # 6 attention + the running Mamba block + the re-referenced checkpoint
+        "stats_leased_blocks": 8,
+    }
+    after = case["after_release"]
+    assert after["leased_blocks"] == 0
+    assert after["checkpoint_position"] > max(after["attention_positions"])
+    assert after["checkpoint_position"] == after["free_queue_len"] - 1  # the newest free block
+    assert case["checkpoint_survived"] is True
+    assert case["next_turn_per_group_hits"] == {"attention": 80, "mamba": 64}
+    assert case["next_turn_external"] == [0]
+    assert case["next_turn_local_hit"] == 64
+
+
+def test_lease_expires_at_step_start_and_ignores_a_late_report(leased):
+    case = leased["expiry"]
+    assert case["held_after_deadline_step"] is False
+    assert case["engine_busy_after_deadline_step"] is False
+    assert case["expired_leases"] == 1
+    assert case["free_blocks_after_deadline_step"] == case["free_blocks_total"]
+    assert "release_error" not in case
+    assert case["late_report_error"] is None
+    assert case["late_reports_ignored"] == 1
+    assert case["free_blocks_after_late_report"] == case["free_blocks_total"]
+
+
+def _counters(result: dict) -> dict:
+    """Pop the transform's own counters (None on the pristine tree); the rest is behaviour."""
+    eviction, expiry = result["checkpoint_eviction"], result["expiry"]
+    return {
+        "leased_blocks": eviction["during_lease"].pop("leased_blocks"),
+        "stats_leased_blocks": eviction["during_lease"].pop("stats_leased_blocks"),
+        "leased_blocks_after_release": eviction["after_release"].pop("leased_blocks"),
+        "expired_leases": expiry.pop("expired_leases"),
+        "late_reports_ignored": expiry.pop("late_reports_ignored"),
+    }
+
+
+def test_option_absent_is_upstream(transformed_tree, pristine):
+    off = run_scenario(transformed_tree, SCENARIO, options_on=False)
+    off.pop("_scheduler_file")
+    assert set(_counters(off).values()) == {0}  # nothing leased, expired or ignored
+    upstream = copy.deepcopy(pristine)
+    assert set(_counters(upstream).values()) == {None}
+    assert off == upstream
+
+
+def test_bad_lease_values_fail_at_startup(transformed_tree):
+    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=[0, -1, "soon", True, "nan", 2.5, "10"])
+    errors = result["config_errors"]
+    for bad in ("0", "-1", "'soon'", "True", "'nan'"):
+        assert errors[bad] and "sparkcache_gpu_lease_seconds" in errors[bad] and "> 0" in errors[bad], bad
+    assert errors["2.5"] is None and errors["'10'"] is None

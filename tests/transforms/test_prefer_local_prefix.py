@@ -1,0 +1,92 @@
+"""prefer_local_prefix: the fixture edit, and vLLM's real Scheduler on both trees.
+
+Measured on vLLM 0.32.0 (block size 16, hybrid FA + Mamba align, retention 0;
+attention resident to 64, Mamba state only at 16, a 100-token continuation):
+
+pristine                 local  external  reused/4  resume
+  store 80, default        16      64        1        80
+  store 80, divergent      64      16        4        80
+  store 64, default        16      48        1        64
+  store 64, divergent      16       0        1        16   (tie: recomputes 84 tokens)
+transformed, option on
+  store 80 (both)          64      16        4        80
+  store 64 (both)          48      16        3        64   (last block + Mamba state at 64)
+  store 0  (both)          16       0        1        16
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from transforms.engine import transform_source
+from transforms.prefer_local_prefix import KEY, TRANSFORM
+from trees import run_scenario
+
+FIXTURES = Path(__file__).parent / "fixtures" / "prefer_local_prefix"
+RELPATH = "vllm/v1/core/sched/scheduler.py"
+SCENARIO = "transforms.scenarios.prefer_local_prefix"
+
+
+def test_fixture_before_to_after_and_idempotent():
+    before = (FIXTURES / "before.py").read_text()
+    after = (FIXTURES / "after.py").read_text()
+    assert transform_source(RELPATH, before, [TRANSFORM]) == after
+    assert transform_source(RELPATH, after, [TRANSFORM]) == after
+
+
+def test_transform_note_and_key():
+    assert TRANSFORM.id == "prefer_local_prefix"
+    assert TRANSFORM.why and TRANSFORM.what_changes and TRANSFORM.removal_plan
+    assert set(TRANSFORM.config_keys) == {KEY} == {"sparkcache_prefer_local_prefix"}
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    result = run_scenario(None, SCENARIO, options_on=False)
+    result.pop("_scheduler_file")
+    return result
+
+
+def _hit(case: dict) -> tuple[int, int, int, int]:
+    return case["local"], case["external"], case["reused_resident_attention_blocks"], case["resume"]
+
+
+def test_pristine_reloads_resident_attention(pristine):
+    # "Served by restore": 3 of 4 resident attention blocks reloaded into fresh duplicates.
+    assert _hit(pristine["store80_default"]) == (16, 64, 1, 80)
+    assert _hit(pristine["store64_default"]) == (16, 48, 1, 64)
+    # Upstream's divergent-hit path fixes the longer store ...
+    assert _hit(pristine["store80_divergent"]) == (64, 16, 4, 80)
+    # ... but a tie falls back to the hybrid depth and recomputes.
+    assert _hit(pristine["store64_divergent"]) == (16, 0, 1, 16)
+    assert _hit(pristine["store0_default"]) == (16, 0, 1, 16)
+    assert all(case["valid"] for case in pristine.values())
+
+
+def test_transformed_prefers_local_attention_depth(transformed_tree, pristine):
+    on = run_scenario(transformed_tree, SCENARIO, options_on=True)
+    assert on.pop("_scheduler_file").startswith(str(transformed_tree))
+    for path in ("default", "divergent"):
+        # Store past the local depth: only (64, 80] is loaded; nothing resident is reloaded.
+        assert _hit(on[f"store80_{path}"]) == (64, 16, 4, 80)
+        assert on[f"store80_{path}"]["connector_queries"][-1] == [64, 16]
+        # Tie: resume at 64 (not 16), loading the last block with the Mamba state at 64.
+        assert _hit(on[f"store64_{path}"]) == (48, 16, 3, 64)
+        assert on[f"store64_{path}"]["connector_queries"][-1] == [48, 16]
+        # Nothing in the store: the hybrid hit, no external claim.
+        assert _hit(on[f"store0_{path}"]) == (16, 0, 1, 16)
+    for name, case in on.items():
+        # Correctness: every token reported computed is resident or loaded, and the
+        # resume point has a valid Mamba state; never worse than pristine on reuse or depth.
+        assert case["valid"], name
+        assert case["num_computed_tokens"] == case["resume"], name
+        assert case["reused_resident_attention_blocks"] >= pristine[name]["reused_resident_attention_blocks"], name
+        assert case["resume"] >= pristine[name]["resume"], name
+
+
+def test_transformed_option_off_is_upstream(transformed_tree, pristine):
+    off = run_scenario(transformed_tree, SCENARIO, options_on=False)
+    assert off.pop("_scheduler_file").startswith(str(transformed_tree))
+    assert off == pristine

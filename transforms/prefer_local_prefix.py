@@ -1,0 +1,193 @@
+"""prefer_local_prefix: never reload attention pages that are already resident.
+
+vLLM 0.32.0 asks the KV connector only beyond the *hybrid* local hit (the
+depth every KV-cache group agrees on). On a hybrid full-attention + Mamba
+("align") model whose recurrent group is shallow, a store that holds the
+conversation then claims everything past that depth, and vLLM allocates fresh
+duplicate blocks for attention pages that are resident and reloads them
+("served by restore"). Upstream's divergent-hit path
+(``supports_divergent_local_hybrid_hits``) fixes the case where the store
+reaches past the local attention depth, but a store that reaches exactly that
+depth (a tie) falls back to the hybrid depth and recomputes.
+
+Resolution of the tie (the recurrent state at the local attention depth L is
+not resident; the store holds the conversation to L, state included):
+vLLM 0.32.0's scheduler -> connector interface cannot express a zero-token,
+state-only load (``update_state_after_alloc(..., 0)`` means "no load" to every
+connector, an async wait asserts ``num_external_computed_tokens > 0``, and the
+Mamba block at the resume position is freshly allocated and queued for
+zeroing). So the transformed scheduler resumes at L with the attention blocks
+below L - block_size taken locally and the last block (L - block_size, L]
+loaded with the recurrent state at L: exactly one attention block is reloaded,
+the smallest load vLLM can express that yields a valid state at L. A store that
+reaches past L loads only the tokens past L (nothing resident is reloaded).
+"""
+
+from __future__ import annotations
+
+from transforms import Edit, Transform
+
+SCHEDULER = "vllm/v1/core/sched/scheduler.py"
+KEY = "sparkcache_prefer_local_prefix"
+
+_READ_OPTION = Edit(
+    function="Scheduler.__init__",
+    mode="insert_before",
+    anchor="kv_transfer_config = self.vllm_config.kv_transfer_config",
+    new='''
+self.sparkcache_prefer_local_prefix = bool(  # sparkcache prefer_local_prefix (opt-in)
+    (
+        (
+            self.vllm_config.kv_transfer_config is not None
+            and self.vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        or {}
+    ).get("sparkcache_prefer_local_prefix", False)
+)
+''',
+)
+
+_DIVERGENT_LOOKUP = Edit(
+    function="Scheduler._get_local_prefix_cache_hit",
+    mode="replace",
+    anchor="""
+if connector is not None and connector.supports_divergent_local_hybrid_hits:
+    return self.kv_cache_manager.get_computed_blocks_for_connector(request)
+""",
+    new="""
+if connector is not None and (
+    connector.supports_divergent_local_hybrid_hits
+    # getattr: upstream tests call this method on a stand-in `self`.
+    or getattr(self, "sparkcache_prefer_local_prefix", False)
+):
+    return self.kv_cache_manager.get_computed_blocks_for_connector(request)
+""",
+)
+
+_ASK_CONNECTOR = Edit(
+    function="Scheduler.schedule",
+    mode="replace",
+    anchor="""
+ext_tokens, load_kv_async = (
+    self.connector.get_num_new_matched_tokens(
+        request, block_aligned_local
+    )
+)
+""",
+    new="""
+if self.sparkcache_prefer_local_prefix and not partial_tail:
+    # sparkcache prefer_local_prefix: ask only past the local attention depth.
+    (
+        new_computed_blocks,
+        num_new_local_computed_tokens,
+        ext_tokens,
+        load_kv_async,
+        hit_diverged,
+    ) = self._sparkcache_prefer_local_prefix(
+        request, new_computed_blocks, num_new_local_computed_tokens, hit_diverged
+    )
+else:
+    ext_tokens, load_kv_async = (
+        self.connector.get_num_new_matched_tokens(
+            request, block_aligned_local
+        )
+    )
+""",
+)
+
+_HELPER = Edit(
+    function="Scheduler",
+    mode="append_to_class",
+    new='''
+def _sparkcache_prefer_local_prefix(
+    self,
+    request: Request,
+    blocks: KVCacheBlocks,
+    num_local: int,
+    hit_diverged: bool,
+) -> tuple[KVCacheBlocks, int, int | None, bool, bool]:
+    """sparkcache prefer_local_prefix: a longer local prefix beats the store."""
+    # blocks/num_local: the block-aligned local hit at the full-attention depth L
+    # (get_computed_blocks_for_connector); hit_diverged: the recurrent group stops
+    # shallower. Returns (blocks, num_local, external tokens or None,
+    # load_kv_async, hit_diverged). The connector's last get_num_new_matched_tokens
+    # call is made at the returned num_local (upstream re-asks a waiting request
+    # on every scheduling attempt, so the last call is the authoritative one).
+    # - Not diverged: ask at the local depth, as upstream does.
+    # - Diverged: ask at the hybrid depth H to learn where the store ends (S).
+    #   S > L: local L, load only (L, S].
+    #   H < S <= L (a tie or a shorter store): local S - block_size with its
+    #   resident attention blocks; load the last block and the recurrent state
+    #   at S (vLLM 0.32.0 cannot express a state-only, zero-token load).
+    #   S <= H: the hybrid hit, nothing external.
+    # An external claim not past the local hit is clamped to 0, no async wait.
+    connector = self.connector
+    assert connector is not None
+    if not hit_diverged:
+        ext, load_async = connector.get_num_new_matched_tokens(request, num_local)
+        if ext is not None and ext <= 0:
+            ext, load_async = 0, False
+        return blocks, num_local, ext, load_async, hit_diverged
+
+    hybrid_blocks, num_hybrid, boundary = self.kv_cache_manager.get_computed_blocks(
+        request
+    )
+    ext_h, load_async_h = connector.get_num_new_matched_tokens(request, num_hybrid)
+    if ext_h is None:
+        return blocks, num_local, None, False, hit_diverged
+    if ext_h <= 0:
+        request.shared_prefix_boundary = boundary
+        return hybrid_blocks, num_hybrid, 0, False, False
+    store_end = num_hybrid + ext_h
+    store_end -= store_end % self.block_size
+    if store_end > num_local:
+        resume_local = num_local
+    else:
+        resume_local = max(num_hybrid, store_end - self.block_size)
+    if resume_local == num_hybrid:
+        # The store starts its load where every group agrees: no re-ask.
+        request.shared_prefix_boundary = boundary
+        return hybrid_blocks, num_hybrid, ext_h, load_async_h, False
+    ext, load_async = connector.get_num_new_matched_tokens(request, resume_local)
+    if ext is None:
+        return blocks, num_local, None, False, hit_diverged
+    if ext <= 0:
+        # The connector no longer backs the deeper boundary: reconcile.
+        request.shared_prefix_boundary = boundary
+        return hybrid_blocks, num_hybrid, 0, False, False
+    if resume_local < num_local:
+        blocks = self.kv_cache_manager.truncate_computed_blocks(blocks, resume_local)
+    return blocks, resume_local, ext, load_async, hit_diverged
+''',
+)
+
+TRANSFORM = Transform(
+    id="prefer_local_prefix",
+    why=(
+        "On a hybrid attention + Mamba model whose recurrent group is shallow, vLLM asks the connector "
+        "beyond the hybrid hit, so a store holding the conversation reloads attention pages that are "
+        "resident into fresh duplicate blocks ('served by restore'); upstream's divergent-hit path "
+        "recomputes from the hybrid depth when the store ends exactly at the local attention depth."
+    ),
+    what_changes=(
+        "Scheduler.__init__ reads the opt-in key; Scheduler._get_local_prefix_cache_hit uses the per-group "
+        "(full-attention depth) lookup when opted in; Scheduler.schedule asks the connector through "
+        "Scheduler._sparkcache_prefer_local_prefix, which keeps every resident attention block below the "
+        "resume point, loads only tokens past the local attention depth (or, for a tie, the last block and "
+        "the recurrent state there), and clamps an external claim not past the local hit to 0 with no "
+        "async wait."
+    ),
+    removal_plan=(
+        "Drop when upstream vLLM asks the connector at the full-attention depth for every connector that "
+        "can restore recurrent state and supports a state-only load (vLLM issue 52773 / RFC 52837); until "
+        "then re-verify the anchors and tests/transforms/test_prefer_local_prefix.py on each vLLM bump."
+    ),
+    config_keys={
+        KEY: (
+            "bool, default false. True: the connector (sparkcache's) restores the recurrent state at the end "
+            "of any load, so the scheduler takes the local attention depth and asks the connector only for "
+            "the difference. Absent/false: upstream behaviour."
+        )
+    },
+    edits={SCHEDULER: (_READ_OPTION, _DIVERGENT_LOOKUP, _ASK_CONNECTOR, _HELPER)},
+)

@@ -1,0 +1,100 @@
+"""Duplicate reload of resident attention pages ("served by restore"), with vLLM's real Scheduler.
+
+Shape (block size 16, hybrid FA + Mamba align, retention 0): attention blocks
+are resident to 64, the Mamba state only at 16. A 100-token continuation is
+admitted while the connector's store holds its first 80 tokens (store past the
+local attention depth) or its first 64 (a tie), through the default lookup and
+through upstream's divergent-hit lookup (``probe_divergent``).
+
+For every case: vLLM's local / external counts, the resume point, and how many
+of the 4 resident attention blocks the request's allocated attention blocks
+reuse (block ids compared with the ids that held that prefix before), plus a
+validity check: the resume point has a valid Mamba state (resident or loaded)
+and every attention token below it is resident or loaded.
+"""
+
+from __future__ import annotations
+
+from transforms.scenarios.harness import (
+    BLOCK_SIZE,
+    make_hybrid_scheduler,
+    make_request,
+    per_group_hits,
+    run_to_completion,
+)
+
+PROMPT = [1000 + i for i in range(100)]
+ATTN_DEPTH = 64
+MAMBA_DEPTH = 16
+
+
+def _seed(scheduler) -> list[int]:
+    """Attention resident to 64, Mamba state cached only at 16; returns the resident attention block ids."""
+    run_to_completion(scheduler, make_request("seed-short", PROMPT[: MAMBA_DEPTH + 1], max_tokens=1))
+    run_to_completion(scheduler, make_request("seed-long", PROMPT[: ATTN_DEPTH + 1], max_tokens=1))
+    probe = make_request("probe", PROMPT, max_tokens=1)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    pool = scheduler.kv_cache_manager.block_pool
+    mamba_gid = 1
+    # Evict Mamba states deeper than 16 (the retention-0 prompt checkpoint at 64).
+    for _ in range(8):
+        blocks, hits = coordinator.find_longest_cache_hit_per_group(probe.block_hashes, probe.num_tokens - 1)
+        if hits[mamba_gid] <= MAMBA_DEPTH:
+            break
+        pool.evict_blocks({blocks[mamba_gid][-1].block_id})
+    blocks, hits = coordinator.find_longest_cache_hit_per_group(probe.block_hashes, probe.num_tokens - 1)
+    assert tuple(hits) == (ATTN_DEPTH, MAMBA_DEPTH), hits
+    return [b.block_id for b in blocks[0][: ATTN_DEPTH // BLOCK_SIZE]]
+
+
+def _case(options_on: bool, divergent: bool, store_tokens: int) -> dict:
+    extra = {"probe_divergent": divergent}
+    if options_on:
+        extra["sparkcache_prefer_local_prefix"] = True
+    scheduler = make_hybrid_scheduler(num_blocks=100, extra_config=extra)
+    resident = _seed(scheduler)
+    request = make_request("turn", PROMPT, max_tokens=1)
+    before_hits = per_group_hits(scheduler, request)
+    scheduler.connector.store_prefix(PROMPT[:store_tokens])
+    scheduler.add_request(request)
+    out = scheduler.schedule()  # vLLM's own admission; prefill_stats is read before the output consumes it
+    stats = request.prefill_stats
+    new = {r.req_id: r for r in out.scheduled_new_reqs}
+    hit = {
+        "num_computed_tokens": new[request.request_id].num_computed_tokens if request.request_id in new else None,
+        "local": stats.num_local_cached_tokens,
+        "external": stats.num_external_cached_tokens,
+    }
+    attn_ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+    reused = sum(1 for a, b in zip(attn_ids, resident) if a == b)
+    local, external = hit["local"], hit["external"]
+    resume = local + external
+    # Validity: the Mamba state at the resume point is resident (local hit reaches it) or loaded
+    # (an external load ends there), and attention below it is resident (local) or loaded.
+    mamba_ok = resume == 0 or external > 0 or before_hits[1] >= resume
+    attn_ok = local <= before_hits[0]
+    return {
+        "local": local,
+        "external": external,
+        "num_computed_tokens": hit["num_computed_tokens"],
+        "resume": resume,
+        "reused_resident_attention_blocks": reused,
+        "resident_attention_blocks": len(resident),
+        "recomputed_tokens": len(PROMPT) - resume,
+        "valid": bool(mamba_ok and attn_ok),
+        "connector_queries": [list(q[1:]) for q in scheduler.connector.queries if q[0] == "turn"],
+    }
+
+
+def run(options_on: bool) -> dict:
+    return {
+        f"store{store}_{'divergent' if div else 'default'}": _case(options_on, div, store)
+        for store in (80, 64, 0)
+        for div in (False, True)
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps({"off": run(False)}, indent=1))
