@@ -1,0 +1,303 @@
+"""The one settings table of sparkcache.
+
+Every setting is one row of ``SETTINGS_TABLE``: its name, type, default, environment
+variable, allowed range and help. ``load_settings`` reads them, validates them and returns
+a frozen ``Settings``; a bad value raises ``SettingsError`` naming the variable, the value
+and the allowed range.
+
+Sources and precedence (highest first):
+
+1. ``extra_config``: vLLM's ``kv_connector_extra_config`` dict. Keys are the row's
+   lower-case name without any prefix, e.g. ``{"max_bytes": "40GiB", "ttl_seconds": 0}``.
+   Values may be strings (parsed like environment values) or already-typed values.
+   The dict is shared with other components (for example the scheduler transforms'
+   options), so keys that are not ours are left alone; a key that *looks like* one of
+   ours (a close misspelling such as ``max_byte``) is an error, never silently ignored.
+2. The environment: ``SPARKCACHE_<NAME>``, e.g. ``SPARKCACHE_MAX_BYTES=40GiB``.
+3. The row's default.
+
+Byte sizes accept a plain integer number of bytes or a number with a unit: binary
+``KiB MiB GiB TiB`` (also ``Ki Mi Gi Ti``) or decimal ``KB MB GB TB``; ``1.5GiB`` is fine.
+A bare ``G``/``M``/``K`` is refused as ambiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+ENV_PREFIX = "SPARKCACHE_"
+ACCESS_MODES = ("read-write", "restore-only", "store-only", "disabled")
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the variable, the value and the fix."""
+
+
+# ---------------------------------------------------------------------------- parsing
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20,
+    "gib": 1 << 30, "gi": 1 << 30, "tib": 1 << 40, "ti": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: Any) -> int:
+    """``"40GiB"`` -> 42949672960. Raises ValueError with the accepted forms."""
+    if isinstance(text, bool):
+        raise ValueError("expected a byte size, got a boolean")
+    if isinstance(text, int):
+        return text
+    if isinstance(text, float) and text.is_integer():
+        return int(text)
+    match = _BYTES_RE.match(str(text))
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(
+            "expected bytes as an integer or a number with a unit "
+            "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 40GiB")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(value, int):
+        return value
+    return int(str(value).strip())
+
+
+def _parse_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    return float(str(value).strip()) if not isinstance(value, (int, float)) else float(value)
+
+
+def _parse_str(value: Any) -> str:
+    return str(value).strip()
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "bool": _parse_bool, "int": _parse_int, "float": _parse_float,
+    "bytes": parse_bytes, "str": _parse_str, "path": _parse_str, "choice": _parse_str,
+}
+
+
+# ---------------------------------------------------------------------------- the table
+
+@dataclass(frozen=True)
+class SettingRow:
+    """One row of the table. ``minimum``/``maximum`` bound numbers; ``choices`` bound choices;
+    ``pattern`` bounds strings."""
+
+    name: str
+    type: str  # bool | int | float | bytes | str | path | choice
+    default: Any
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    pattern: str | None = None
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name
+
+    @property
+    def key(self) -> str:
+        """The key in ``kv_connector_extra_config``."""
+        return self.name.lower()
+
+    def allowed(self) -> str:
+        """The allowed range in words, used in help and in errors."""
+        if self.type == "bool":
+            return "true/false"
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.pattern:
+            return f"matching {self.pattern}"
+        fmt = format_bytes if self.type == "bytes" else (
+            (lambda v: str(int(v))) if self.type == "int" else (lambda v: f"{v:g}"))
+        if self.minimum is not None and self.maximum is not None:
+            return f"{fmt(self.minimum)} .. {fmt(self.maximum)}"
+        if self.minimum is not None:
+            return f">= {fmt(self.minimum)}"
+        if self.type == "path":
+            return "a directory path"
+        return "any"
+
+    def parse(self, raw: Any, source: str) -> Any:
+        where = f"{self.env_var}={raw!r}" + (f" (from {source})" if source != "env" else "")
+        try:
+            value = _PARSERS[self.type](raw)
+        except (ValueError, TypeError) as exc:
+            raise SettingsError(
+                f"{where}: cannot parse as {self.type}: {exc}; allowed: {self.allowed()}") from None
+        if self.choices and value not in self.choices:
+            raise SettingsError(f"{where}: not allowed; use {self.allowed()}")
+        if self.pattern and not re.fullmatch(self.pattern, value):
+            raise SettingsError(f"{where}: not allowed; use a value {self.allowed()}")
+        if self.minimum is not None and value < self.minimum:
+            raise SettingsError(f"{where}: below the minimum; allowed: {self.allowed()}")
+        if self.maximum is not None and value > self.maximum:
+            raise SettingsError(f"{where}: above the maximum; allowed: {self.allowed()}")
+        return value
+
+
+_GiB = 1 << 30
+_MiB = 1 << 20
+
+SETTINGS_TABLE: tuple[SettingRow, ...] = (
+    SettingRow("ENABLED", "bool", True, "Switch the store on or off as a whole."),
+    SettingRow("ROOT", "path", "", "Rank-local cache directory (required when enabled). "
+               "Entries live under ROOT/NAMESPACE."),
+    SettingRow("NAMESPACE", "str", "default", "Sub-directory of ROOT; separate namespaces "
+               "never share entries or objects.", pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
+    SettingRow("ACCESS_MODE", "choice", "read-write", "What the connector may do: restore and "
+               "capture, only restore, only capture, or nothing.", choices=ACCESS_MODES),
+    SettingRow("MAX_BYTES", "bytes", 40 * _GiB, "Store cap. Above it, maintenance evicts "
+               "down to LOW_WATERMARK_BYTES and new publications are refused.", minimum=_MiB,
+               maximum=1 << 50),
+    SettingRow("LOW_WATERMARK_BYTES", "bytes", 32 * _GiB, "Eviction stops at this level; "
+               "must be <= MAX_BYTES (see docs/SIZING.md).", minimum=0, maximum=1 << 50),
+    SettingRow("TTL_SECONDS", "float", 0.0, "Evict entries not read or published for this "
+               "long; 0 disables.", minimum=0),
+    SettingRow("LEASE_SECONDS", "float", 300.0, "Lifetime of a pin that protects an entry "
+               "being read or extended from eviction.", minimum=1, maximum=86400),
+    SettingRow("CAPTURE_SLOTS", "int", 2, "Asynchronous capture slots per rank.",
+               minimum=1, maximum=64),
+    SettingRow("CAPTURE_SLOT_BYTES", "bytes", 3 * _GiB, "Bytes one capture slot may hold.",
+               minimum=_MiB, maximum=1 << 40),
+    SettingRow("MIN_SPAN_TOKENS", "int", 256, "Do not publish or restore spans shorter than "
+               "this many tokens.", minimum=0, maximum=1 << 24),
+    SettingRow("PAGE_BLOCKS", "int", 16, "KV blocks per page object; a growing entry rewrites "
+               "only its tail page.", minimum=1, maximum=4096),
+    SettingRow("MAINTENANCE_MAX_ENTRIES", "int", 64, "Budget: entries one maintenance pass "
+               "may evict.", minimum=1, maximum=1 << 20),
+    SettingRow("MAINTENANCE_MAX_BYTES", "bytes", 4 * _GiB, "Budget: bytes one maintenance "
+               "pass may reclaim.", minimum=_MiB, maximum=1 << 50),
+    SettingRow("MAINTENANCE_MAX_MS", "float", 100.0, "Budget: wall milliseconds one "
+               "maintenance pass may take.", minimum=1, maximum=60_000),
+    SettingRow("MAINTENANCE_INTERVAL_SECONDS", "float", 1.0, "Guaranteed idle pause between "
+               "two maintenance passes.", minimum=0.01, maximum=3600),
+)
+
+_ROWS_BY_NAME = {row.name: row for row in SETTINGS_TABLE}
+_ROWS_BY_KEY = {row.key: row for row in SETTINGS_TABLE}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings; field names are the table's lower-case names."""
+
+    enabled: bool
+    root: str
+    namespace: str
+    access_mode: str
+    max_bytes: int
+    low_watermark_bytes: int
+    ttl_seconds: float
+    lease_seconds: float
+    capture_slots: int
+    capture_slot_bytes: int
+    min_span_tokens: int
+    page_blocks: int
+    maintenance_max_entries: int
+    maintenance_max_bytes: int
+    maintenance_max_ms: float
+    maintenance_interval_seconds: float
+
+    def replace(self, **changes: Any) -> "Settings":
+        """A copy with ``changes`` applied and validated again."""
+        merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        merged.update(changes)
+        return load_settings(env={}, extra_config=merged, require_root=False)
+
+
+assert {f.name for f in dataclasses.fields(Settings)} == set(_ROWS_BY_KEY), "table and Settings differ"
+
+
+def load_settings(env: Mapping[str, str] | None = None,
+                  extra_config: Mapping[str, Any] | None = None,
+                  *, require_root: bool = True) -> Settings:
+    """Read, parse and validate every row. ``env`` defaults to ``os.environ``."""
+    env = os.environ if env is None else env
+    extra = dict(extra_config or {})
+    _reject_misspelled_keys(extra)
+    values: dict[str, Any] = {}
+    for row in SETTINGS_TABLE:
+        if row.key in extra:
+            values[row.key] = row.parse(extra[row.key], "kv_connector_extra_config")
+        elif row.env_var in env:
+            values[row.key] = row.parse(env[row.env_var], "env")
+        else:
+            values[row.key] = row.default
+    settings = Settings(**values)
+    _check_combinations(settings, require_root)
+    return settings
+
+
+def _reject_misspelled_keys(extra: Mapping[str, Any]) -> None:
+    for key in extra:
+        if key in _ROWS_BY_KEY:
+            continue
+        lowered = str(key).lower().removeprefix("sparkcache_").removeprefix("sparkcache.")
+        close = difflib.get_close_matches(lowered, list(_ROWS_BY_KEY), n=1, cutoff=0.9)
+        if close:
+            raise SettingsError(
+                f"kv_connector_extra_config key {key!r} is not a sparkcache setting; did you mean "
+                f"{close[0]!r} ({_ROWS_BY_KEY[close[0]].env_var})? Keys are the lower-case "
+                "names without prefix.")
+
+
+def _check_combinations(s: Settings, require_root: bool) -> None:
+    if s.low_watermark_bytes > s.max_bytes:
+        raise SettingsError(
+            f"SPARKCACHE_LOW_WATERMARK_BYTES={format_bytes(s.low_watermark_bytes)} is above "
+            f"SPARKCACHE_MAX_BYTES={format_bytes(s.max_bytes)}; allowed: "
+            "0 <= LOW_WATERMARK_BYTES <= MAX_BYTES (a gap of 10-25% of MAX_BYTES is typical, "
+            "see docs/SIZING.md)")
+    if s.enabled and s.access_mode != "disabled" and require_root and not s.root:
+        raise SettingsError(
+            "SPARKCACHE_ROOT='' : the store is enabled but has no directory; set "
+            "SPARKCACHE_ROOT (or kv_connector_extra_config 'root') to a rank-local directory, "
+            "or set SPARKCACHE_ENABLED=0")
+    if s.root and not os.path.isabs(s.root):
+        raise SettingsError(
+            f"SPARKCACHE_ROOT={s.root!r}: must be an absolute path; allowed: a directory path "
+            "starting with '/'")
+
+
+def render_settings_help() -> str:
+    """The table as text, for ``sparkcache --help`` and the docs."""
+    lines = ["Settings (environment SPARKCACHE_<NAME>, or kv_connector_extra_config key "
+             "<name> in lower case; the dict wins over the environment):", ""]
+    for row in SETTINGS_TABLE:
+        default = format_bytes(row.default) if row.type == "bytes" else repr(row.default)
+        lines.append(f"  {row.env_var}  ({row.type}, default {default}, allowed {row.allowed()})")
+        lines.append(f"      {row.help}")
+    return "\n".join(lines)

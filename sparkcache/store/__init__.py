@@ -1,0 +1,16 @@
+"""Rank-local, content-addressed, crash-safe page store (see pagestore.py for the API)."""
+
+from .identity import Identity, block_key, entry_id_for
+from .maintenance import MaintenanceThread, PassBudget, PassReport, pass_due, run_pass
+from .manifests import Manifest, PageRef
+from .pagestore import PageStore
+from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
+                      RecoveryReport)
+from .verify import Problem, VerifyReport, verify_store
+
+__all__ = [
+    "CapacitySnapshot", "EntryHandle", "Identity", "LookupResult", "MaintenanceThread",
+    "Manifest", "PageRef", "PageStore", "PassBudget", "PassReport", "Problem", "PublishResult",
+    "ReadResult", "RecoveryReport", "VerifyReport", "block_key", "entry_id_for", "pass_due",
+    "run_pass", "verify_store",
+]

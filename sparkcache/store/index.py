@@ -1,0 +1,278 @@
+"""The in-memory view of the manifests on disk: entries, a block-hash index, object refcounts.
+
+Disk is the truth; ``refresh`` brings the view up to date with what this and other
+processes published or evicted (it re-lists a manifest directory only when its mtime moved,
+or when the mtime is too recent to trust). Byte accounting counts every referenced object
+once, however many entries share it, in whole filesystem blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is_entry_id, \
+    is_identity_digest, open_nofollow
+from .manifests import Manifest, ManifestError, decode
+
+_MTIME_TRUST_S = 0.05  # directory mtimes newer than this may hide a change in the same tick
+
+
+@dataclass
+class IndexedEntry:
+    manifest: Manifest
+    path: str
+    inode: int
+    manifest_bytes: int
+    last_access: float
+    unique_pages: tuple = ()  # distinct PageRefs, computed once
+
+    def __post_init__(self) -> None:
+        if not self.unique_pages:
+            self.unique_pages = tuple({p.digest: p for p in self.manifest.pages}.values())
+
+    @property
+    def entry_id(self) -> str:
+        return self.manifest.entry_id
+
+
+@dataclass(frozen=True)
+class BadManifest:
+    entry_id: str
+    identity_digest: str
+    path: str
+    reason: str
+    detail: str
+    inode: int
+
+
+@dataclass
+class _DirMark:
+    mtime_ns: int
+    names: dict[str, int] = field(default_factory=dict)  # entry id -> inode
+
+
+class EntryIndex:
+    def __init__(self, layout: StoreLayout, alloc_unit: int) -> None:
+        self.layout = layout
+        self.alloc_unit = alloc_unit
+        self.entries: dict[str, IndexedEntry] = {}
+        self.bad: dict[str, BadManifest] = {}
+        self.blocks: dict[str, dict[str, tuple[int, set[str]]]] = {}
+        self.ends: dict[str, dict[str, set[str]]] = {}  # identity -> last block key -> entries
+        self.refcount: dict[str, int] = {}
+        self.object_size: dict[str, int] = {}
+        self.objects_bytes = 0
+        self.manifests_bytes = 0
+        # Objects of evicted entries, still on disk until maintenance deletes them.
+        self.deferred: dict[str, int] = {}
+        self._marks: dict[str, _DirMark] = {}
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def used_bytes(self) -> int:
+        return self.objects_bytes + self.manifests_bytes + self.deferred_bytes()
+
+    def deferred_bytes(self) -> int:
+        """Bytes of evicted entries' objects not deleted yet (and not referenced again)."""
+        return sum(allocated(size, self.alloc_unit) for d, size in self.deferred.items()
+                   if d not in self.refcount)
+
+    def entry_free_bytes(self, entry: IndexedEntry, dropping: dict[str, int]) -> int:
+        """Bytes evicting ``entry`` would free, given refs already dropped in ``dropping``."""
+        freed = allocated(entry.manifest_bytes, self.alloc_unit)
+        refcount, unit = self.refcount, self.alloc_unit
+        for page in entry.unique_pages:
+            dropped = dropping.get(page.digest, 0) + 1
+            dropping[page.digest] = dropped
+            if refcount.get(page.digest, 0) == dropped:
+                freed += allocated(page.size, unit)
+        return freed
+
+    # ------------------------------------------------------------------ mutation
+
+    def add(self, entry: IndexedEntry) -> None:
+        if entry.entry_id in self.entries:
+            self.remove(entry.entry_id)
+        self.bad.pop(entry.entry_id, None)
+        m = entry.manifest
+        self.entries[m.entry_id] = entry
+        self.manifests_bytes += allocated(entry.manifest_bytes, self.alloc_unit)
+        for page in entry.unique_pages:
+            count = self.refcount.get(page.digest, 0)
+            if count == 0:
+                self.object_size[page.digest] = page.size
+                self.objects_bytes += allocated(page.size, self.alloc_unit)
+            self.refcount[page.digest] = count + 1
+        self.ends.setdefault(m.identity_digest, {}).setdefault(m.block_keys[-1], set()).add(m.entry_id)
+        by_key = self.blocks.setdefault(m.identity_digest, {})
+        for pos, key in enumerate(m.block_keys):
+            slot = by_key.get(key)
+            if slot is None:
+                by_key[key] = (pos, {m.entry_id})
+            elif slot[0] == pos:
+                slot[1].add(m.entry_id)
+
+    def remove(self, entry_id: str) -> list[str]:
+        """Drop an entry from the view; returns digests no entry references any more."""
+        entry = self.entries.pop(entry_id, None)
+        if entry is None:
+            return []
+        m = entry.manifest
+        self.manifests_bytes -= allocated(entry.manifest_bytes, self.alloc_unit)
+        freed = []
+        for page in entry.unique_pages:
+            count = self.refcount.get(page.digest, 0) - 1
+            if count <= 0:
+                self.refcount.pop(page.digest, None)
+                self.objects_bytes -= allocated(self.object_size.pop(page.digest, page.size),
+                                                self.alloc_unit)
+                freed.append(page.digest)
+            else:
+                self.refcount[page.digest] = count
+        ends = self.ends.get(m.identity_digest, {})
+        ending = ends.get(m.block_keys[-1])
+        if ending is not None:
+            ending.discard(entry_id)
+            if not ending:
+                del ends[m.block_keys[-1]]
+        by_key = self.blocks.get(m.identity_digest, {})
+        for key in m.block_keys:
+            slot = by_key.get(key)
+            if slot is not None:
+                slot[1].discard(entry_id)
+                if not slot[1]:
+                    del by_key[key]
+        return freed
+
+    # ------------------------------------------------------------------ queries
+
+    def entries_ending_within(self, identity_digest: str, keys: list[str]) -> list[str]:
+        """Entries of this identity whose blocks are a proper prefix of ``keys``."""
+        ends = self.ends.get(identity_digest)
+        if not ends:
+            return []
+        out = []
+        for pos, key in enumerate(keys[:-1]):
+            for entry_id in ends.get(key, ()):
+                entry = self.entries.get(entry_id)
+                if entry is not None and entry.manifest.block_count == pos + 1:
+                    out.append(entry_id)
+        return out
+
+    def longest_match(self, identity_digest: str, keys: list[str]) -> tuple[IndexedEntry | None, int]:
+        """The entry holding the longest prefix of ``keys`` and that prefix's length in blocks."""
+        by_key = self.blocks.get(identity_digest)
+        if not by_key:
+            return None, 0
+        for k in range(len(keys), 0, -1):
+            slot = by_key.get(keys[k - 1])
+            if slot is None or slot[0] != k - 1:
+                continue
+            candidates = sorted((self.entries[e] for e in slot[1] if e in self.entries),
+                                key=lambda e: (e.manifest.block_count, e.last_access), reverse=True)
+            for entry in candidates:
+                if list(entry.manifest.block_keys[:k]) == keys[:k]:
+                    return entry, k
+        return None, 0
+
+    # ------------------------------------------------------------------ sync with disk
+
+    def refresh(self, force: bool = False) -> None:
+        try:
+            dirs = [d for d in os.listdir(self.layout.manifests_dir) if is_identity_digest(d)]
+        except FileNotFoundError:
+            dirs = []
+        for gone in set(self._marks) - set(dirs):
+            for entry_id in list(self._marks.pop(gone).names):
+                self.remove(entry_id)
+                self.bad.pop(entry_id, None)
+        for idd in dirs:
+            self._refresh_dir(idd, force)
+
+    def _refresh_dir(self, idd: str, force: bool) -> None:
+        path = self.layout.identity_dir(idd)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+        mark = self._marks.get(idd)
+        settled = time.time() - st.st_mtime_ns / 1e9 > _MTIME_TRUST_S
+        if mark is not None and not force and settled and mark.mtime_ns == st.st_mtime_ns:
+            return
+        if mark is None:
+            mark = self._marks[idd] = _DirMark(st.st_mtime_ns)
+        # Record the mtime seen *before* listing: a change during the listing moves it again.
+        mark.mtime_ns = st.st_mtime_ns if settled else -1
+        seen: dict[str, int] = {}
+        with os.scandir(path) as it:
+            for d in it:
+                if not d.name.endswith(MANIFEST_SUFFIX):
+                    continue  # temp files never live here; anything else is ignored
+                entry_id = d.name[: -len(MANIFEST_SUFFIX)]
+                if not is_entry_id(entry_id):
+                    continue
+                seen[entry_id] = d.inode()
+        for entry_id in set(mark.names) - set(seen):
+            self.remove(entry_id)
+            self.bad.pop(entry_id, None)
+        for entry_id, inode in seen.items():
+            known = self.entries.get(entry_id)
+            if known is not None and known.inode == inode:
+                continue
+            bad = self.bad.get(entry_id)
+            if bad is not None and bad.inode == inode:
+                continue
+            self.load(idd, entry_id)
+        mark.names = {e: i for e, i in seen.items() if e in self.entries or e in self.bad}
+
+    def load(self, idd: str, entry_id: str) -> IndexedEntry | None:
+        """(Re)read one manifest file into the view; a bad one is recorded in ``self.bad``."""
+        path = self.layout.manifest_path(idd, entry_id)
+        try:
+            fd = open_nofollow(path)
+        except FileNotFoundError:
+            self.remove(entry_id)
+            return None
+        except UnsafePathError as exc:
+            self._mark_bad(entry_id, idd, path, "corrupt", str(exc), _lstat_inode(path))
+            return None
+        try:
+            st = os.fstat(fd)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        try:
+            manifest = decode(data, expected_entry_id=entry_id, expected_identity_digest=idd)
+        except ManifestError as exc:
+            self._mark_bad(entry_id, idd, path, "corrupt", f"{exc.reason}: {exc.detail}", st.st_ino)
+            return None
+        entry = IndexedEntry(manifest, path, st.st_ino, len(data), st.st_mtime)
+        self.add(entry)
+        mark = self._marks.setdefault(idd, _DirMark(-1))
+        mark.names[entry_id] = st.st_ino
+        return entry
+
+    def _mark_bad(self, entry_id: str, idd: str, path: str, reason: str, detail: str,
+                  inode: int) -> None:
+        self.remove(entry_id)
+        self.bad[entry_id] = BadManifest(entry_id, idd, path, reason, detail, inode)
+        self._marks.setdefault(idd, _DirMark(-1)).names[entry_id] = inode
+
+    def refresh_recency(self) -> None:
+        """Re-read last-access times (manifest mtimes), which other processes may have touched."""
+        for entry in self.entries.values():
+            try:
+                entry.last_access = os.lstat(entry.path).st_mtime
+            except FileNotFoundError:
+                pass
+
+
+def _lstat_inode(path: str) -> int:
+    try:
+        return os.lstat(path).st_ino
+    except FileNotFoundError:
+        return -1

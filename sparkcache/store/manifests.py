@@ -1,0 +1,136 @@
+"""Manifests: the record that binds an entry to its identity, blocks and page objects.
+
+File format (``<entry id>.mf``)::
+
+    SPKM1 <sha256 hex of the body>\\n<body: canonical JSON>
+
+The body is checked against the header digest on every decode, so any flipped or lost
+byte makes the manifest ``corrupt``. Every field is validated; page names must be sha256
+hex digests (never paths), so a manifest cannot point outside the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .identity import Identity, entry_id_for
+from .layout import is_entry_id, is_object_digest
+
+MAGIC = b"SPKM1 "
+FORMAT = 1
+
+
+class ManifestError(ValueError):
+    """A manifest cannot be trusted. ``reason`` is ``corrupt`` (or ``unsafe_path``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """One page object: its sha256 and its exact size in bytes."""
+
+    digest: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A published entry. Invariants (checked by ``decode``): the entry id is derived from
+    the identity digest and the last block key; page i covers blocks
+    ``[i*blocks_per_page, min((i+1)*blocks_per_page, len(block_keys)))``."""
+
+    entry_id: str
+    identity: Identity
+    block_keys: tuple[str, ...]
+    blocks_per_page: int
+    pages: tuple[PageRef, ...]
+    created_at: float
+
+    @property
+    def identity_digest(self) -> str:
+        return self.identity.digest()
+
+    @property
+    def block_count(self) -> int:
+        return len(self.block_keys)
+
+    def pages_for_blocks(self, n_blocks: int) -> tuple[PageRef, ...]:
+        """The pages that hold the first ``n_blocks`` blocks."""
+        return self.pages[: -(-n_blocks // self.blocks_per_page)]
+
+
+def pages_needed(n_blocks: int, blocks_per_page: int) -> int:
+    return -(-n_blocks // blocks_per_page)
+
+
+def encode(manifest: Manifest) -> bytes:
+    body = json.dumps({
+        "format": FORMAT,
+        "entry_id": manifest.entry_id,
+        "identity": manifest.identity.to_dict(),
+        "block_keys": list(manifest.block_keys),
+        "blocks_per_page": manifest.blocks_per_page,
+        "pages": [[p.digest, p.size] for p in manifest.pages],
+        "created_at": manifest.created_at,
+    }, sort_keys=True, separators=(",", ":")).encode()
+    return MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+
+
+def decode(data: bytes, *, expected_entry_id: str | None = None,
+           expected_identity_digest: str | None = None) -> Manifest:
+    """Parse and validate; raises ``ManifestError`` for anything that does not check out."""
+    header_len = len(MAGIC) + 64 + 1
+    if len(data) < header_len or not data.startswith(MAGIC) or data[header_len - 1:header_len] != b"\n":
+        raise ManifestError("corrupt", "bad header (truncated or not a sparkcache manifest)")
+    body = data[header_len:]
+    if hashlib.sha256(body).hexdigest().encode() != data[len(MAGIC):header_len - 1]:
+        raise ManifestError("corrupt", "body does not match its checksum")
+    try:
+        raw = json.loads(body)
+        return _from_fields(raw, expected_entry_id, expected_identity_digest)
+    except ManifestError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError("corrupt", f"bad field: {exc}") from None
+
+
+def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
+                 expected_identity_digest: str | None) -> Manifest:
+    if raw.get("format") != FORMAT:
+        raise ManifestError("corrupt", f"format {raw.get('format')!r}, expected {FORMAT}")
+    identity = Identity.from_dict(raw["identity"])
+    keys = tuple(raw["block_keys"])
+    if not keys or not all(isinstance(k, str) and k for k in keys):
+        raise ManifestError("corrupt", "block_keys must be a non-empty list of strings")
+    bpp = raw["blocks_per_page"]
+    if not isinstance(bpp, int) or bpp <= 0:
+        raise ManifestError("corrupt", f"blocks_per_page {bpp!r}")
+    pages = []
+    for item in raw["pages"]:
+        digest, size = item
+        if not is_object_digest(digest):
+            raise ManifestError("unsafe_path", f"page name {digest!r} is not a sha256 digest "
+                                "(paths, '..' and absolute names are refused)")
+        if not isinstance(size, int) or size < 0:
+            raise ManifestError("corrupt", f"page size {size!r}")
+        pages.append(PageRef(digest, size))
+    if len(pages) != pages_needed(len(keys), bpp):
+        raise ManifestError("corrupt", f"{len(pages)} pages for {len(keys)} blocks at {bpp}/page")
+    entry_id = raw["entry_id"]
+    if not is_entry_id(entry_id) or entry_id != entry_id_for(identity.digest(), keys[-1]):
+        raise ManifestError("corrupt", f"entry id {entry_id!r} does not match identity and blocks")
+    if expected_entry_id is not None and entry_id != expected_entry_id:
+        raise ManifestError("corrupt", f"file named {expected_entry_id} holds entry {entry_id}")
+    if expected_identity_digest is not None and identity.digest() != expected_identity_digest:
+        raise ManifestError("corrupt", "identity does not match its directory")
+    created = raw["created_at"]
+    if not isinstance(created, (int, float)):
+        raise ManifestError("corrupt", f"created_at {created!r}")
+    return Manifest(entry_id, identity, keys, bpp, tuple(pages), float(created))

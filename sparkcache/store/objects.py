@@ -1,0 +1,174 @@
+"""Content-addressed page objects: ``objects/ab/cdef...`` named by the sha256 of their bytes.
+
+Reads are always verified: the bytes are re-hashed and compared with the name. A missing
+object or one shorter than its recorded size is ``absent``; wrong bytes, a wrong size, a
+symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+
+from .layout import StoreLayout, UnsafePathError, open_nofollow, parallel_map, start_writeback, sync_all
+
+ABSENT = "absent"
+CORRUPT = "corrupt"
+
+
+class ObjectError(Exception):
+    """A page object failed verification. ``reason`` is ``absent`` or ``corrupt``."""
+
+    def __init__(self, reason: str, digest: str, detail: str) -> None:
+        super().__init__(f"object {digest}: {reason}: {detail}")
+        self.reason = reason
+        self.digest = digest
+        self.detail = detail
+
+
+def digest_of(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class ObjectStore:
+    def __init__(self, layout: StoreLayout) -> None:
+        self.layout = layout
+
+    def path(self, digest: str) -> str:
+        return self.layout.object_path(digest)
+
+    def check_present(self, digest: str, size: int) -> None:
+        """Cheap check (no read): exists, regular, not a symlink, recorded size."""
+        try:
+            path = self.path(digest)
+            self.layout.check_inside(path)
+            st = os.lstat(path)
+        except UnsafePathError as exc:
+            raise ObjectError(CORRUPT, digest, str(exc)) from None
+        except FileNotFoundError:
+            raise ObjectError(ABSENT, digest, "missing") from None
+        _check_stat(digest, st, size)
+
+    def read_verified(self, digest: str, size: int) -> bytes:
+        """The object's bytes, re-hashed; raises ``ObjectError`` rather than return bad bytes."""
+        try:
+            path = self.path(digest)
+            self.layout.check_inside(path)
+            fd = open_nofollow(path)
+        except UnsafePathError as exc:
+            raise ObjectError(CORRUPT, digest, str(exc)) from None
+        except FileNotFoundError:
+            raise ObjectError(ABSENT, digest, "missing") from None
+        try:
+            _check_stat(digest, os.fstat(fd), size)
+            chunks = []
+            got = 0
+            while got < size:
+                chunk = os.read(fd, size - got)
+                if not chunk:
+                    raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
+                chunks.append(chunk)
+                got += len(chunk)
+        finally:
+            os.close(fd)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ObjectError(CORRUPT, digest, "bytes do not match their sha256 name")
+        return data
+
+    def read_many_verified(self, refs: list) -> list[bytes]:
+        """``read_verified`` for several pages, in parallel threads (reads and sha256
+        release the GIL). Raises the first ``ObjectError`` in page order."""
+        results = parallel_map(self._read_or_error, refs)
+        for item in results:
+            if isinstance(item, ObjectError):
+                raise item
+        return results
+
+    def _read_or_error(self, ref) -> "bytes | ObjectError":
+        try:
+            return self.read_verified(ref.digest, ref.size)
+        except ObjectError as exc:
+            return exc
+
+    def exists_with_size(self, digest: str, size: int) -> bool:
+        try:
+            st = os.lstat(self.path(digest))
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
+
+    def write(self, digest: str, data: bytes | memoryview, tmp_path: str) -> str:
+        """Write one object durably (temp, fdatasync, rename). Returns its shard directory,
+        which the caller fsyncs."""
+        return next(iter(self.write_many([(digest, data, tmp_path)])))
+
+    def write_many(self, items: list[tuple[str, bytes | memoryview, str]]) -> set[str]:
+        """Write several objects: all temp files first, then one parallel round of
+        fdatasync (the journal commits them together), then the renames. Returns the shard
+        directories to fsync. Temp files are left for the caller's staging to remove on error."""
+        fds: list[int] = []
+        try:
+            for _, data, tmp_path in items:
+                fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                fds.append(fd)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                start_writeback(fd)  # the disk works while we write the next object
+            sync_all(os.fdatasync, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        shards: set[str] = set()
+        for digest, _, tmp_path in items:
+            final = self.path(digest)
+            shard = os.path.dirname(final)
+            if shard not in shards:
+                try:
+                    os.mkdir(shard)
+                except FileExistsError:
+                    pass
+                shards.add(shard)
+            os.rename(tmp_path, final)
+        return shards
+
+    def remove(self, digest: str) -> int:
+        """Delete an object; returns the bytes it had (0 if it was already gone)."""
+        path = self.path(digest)
+        try:
+            size = os.lstat(path).st_size
+            os.unlink(path)
+            return size
+        except FileNotFoundError:
+            return 0
+
+    def iter_shard(self, shard: str) -> list[tuple[str, int]]:
+        """(digest, size) of the files in one shard directory (``"ab"``)."""
+        out: list[tuple[str, int]] = []
+        try:
+            with os.scandir(os.path.join(self.layout.objects_dir, shard)) as it:
+                for entry in it:
+                    try:
+                        out.append((shard + entry.name, entry.stat(follow_symlinks=False).st_size))
+                    except FileNotFoundError:
+                        continue
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOTDIR:
+                raise
+        return out
+
+
+def _check_stat(digest: str, st: os.stat_result, size: int) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise ObjectError(CORRUPT, digest, "is a symlink; the store never follows symlinks")
+    if not stat.S_ISREG(st.st_mode):
+        raise ObjectError(CORRUPT, digest, "not a regular file")
+    if st.st_size < size:
+        raise ObjectError(ABSENT, digest, f"truncated: {st.st_size} of {size} bytes present")
+    if st.st_size > size:
+        raise ObjectError(CORRUPT, digest, f"{st.st_size} bytes, manifest records {size}")

@@ -1,0 +1,435 @@
+"""PageStore: publish, look up and read identity-bound, verified, copy-on-write entries.
+
+Publication order (crash-safe): declare objects in a locked intent -> write missing page
+objects (temp, fdatasync, rename) -> fsync their directories -> write the manifest (temp,
+fdatasync, rename) -> fsync its directory -> drop the intent. A crash at any point leaves
+either the complete entry or no entry; the leftovers are collected later.
+
+Several processes may share one root; the cross-process rules live in ``locks``,
+``staging`` and ``pins``. Inside one process, ``_mutex`` guards the in-memory index.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from typing import Any, Sequence
+
+from .identity import BlockHash, Identity, block_keys, entry_id_for
+from .index import EntryIndex, IndexedEntry
+from .layout import StoreLayout, allocated, fsync_dir, parallel_map, sync_all, write_file_durably
+from .locks import LockTimeout, exclusive_lock, shared_lock
+from .manifests import Manifest, PageRef, encode, pages_needed
+from .objects import ObjectError, ObjectStore, digest_of
+from .pins import create_pin, live_pins, release_pin
+from .results import (ABSENT, BASE_ABSENT, HIT, IO_ERROR, NO_SPACE, NOT_FOUND, OVER_CAPACITY,
+                      PUBLISHED, CapacitySnapshot, EntryHandle, LookupResult, PublishResult,
+                      ReadResult, RecoveryReport)
+from .staging import Staging, read_live_intents
+
+
+class PageStore:
+    def __init__(self, root: str, *, namespace: str = "default", max_bytes: int = 40 << 30,
+                 low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
+                 ttl_seconds: float = 0.0, page_blocks: int = 16, metrics: Any = None,
+                 recover: bool = True) -> None:
+        if low_watermark_bytes > max_bytes:
+            raise ValueError(f"low_watermark_bytes={low_watermark_bytes} > max_bytes={max_bytes}")
+        self.layout = StoreLayout.create(root, namespace)
+        self.objects = ObjectStore(self.layout)
+        self.max_bytes = max_bytes
+        self.low_watermark_bytes = low_watermark_bytes
+        self.lease_seconds = lease_seconds
+        self.ttl_seconds = ttl_seconds
+        self.page_blocks = page_blocks
+        self.metrics = metrics
+        self.index = EntryIndex(self.layout, os.statvfs(self.layout.base).f_frsize or 4096)
+        self._mutex = threading.RLock()
+        self.last_recovery: RecoveryReport | None = None
+        self.draining = False  # above max once; evicting until at or under the low watermark
+        self.unsynced_dirs: set[str] = set()  # manifest dirs with unlinks not yet fsynced
+        self.fsync_cost_s = 0.01  # recent cost of that fsync, so a pass can plan around it
+        if recover:
+            self.recover()
+        else:
+            with self._mutex:
+                self.index.refresh(force=True)
+        self._report_capacity()
+
+    @classmethod
+    def from_settings(cls, settings: Any, *, metrics: Any = None, recover: bool = True) -> "PageStore":
+        return cls(settings.root, namespace=settings.namespace, max_bytes=settings.max_bytes,
+                   low_watermark_bytes=settings.low_watermark_bytes,
+                   lease_seconds=settings.lease_seconds, ttl_seconds=settings.ttl_seconds,
+                   page_blocks=settings.page_blocks, metrics=metrics, recover=recover)
+
+    # ------------------------------------------------------------------ startup
+
+    def recover(self) -> RecoveryReport:
+        """Remove workspaces of dead publications; load every complete manifest.
+
+        Incomplete publications are invisible by construction (no manifest was renamed);
+        the objects they wrote are collected by maintenance's orphan sweep.
+        """
+        _, cleaned = read_live_intents(self.layout.staging_dir)
+        with self._mutex:
+            self.index.refresh(force=True)
+            report = RecoveryReport(cleaned, len(self.index.entries), len(self.index.bad))
+        self.last_recovery = report
+        return report
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, identity: Identity, block_hashes: Sequence[BlockHash],
+                pages: Sequence[bytes | memoryview | None], *,
+                blocks_per_page: int | None = None) -> PublishResult:
+        """Publish the prefix ``block_hashes`` with its page bytes.
+
+        ``pages[i]`` holds blocks ``[i*bpp, (i+1)*bpp)`` (the last page may be short). A page
+        given as ``None`` is taken from the stored entry that already holds exactly those
+        blocks (copy-on-write growth without re-capturing); page objects that already exist
+        are reused, never rewritten.
+        """
+        started = time.monotonic()
+        bpp = blocks_per_page or self.page_blocks
+        keys = block_keys(block_hashes)
+        if not keys:
+            raise ValueError("publish: block_hashes is empty; an entry holds at least one block")
+        if len(pages) != pages_needed(len(keys), bpp):
+            raise ValueError(f"publish: {len(pages)} pages for {len(keys)} blocks at {bpp} "
+                             f"blocks/page; expected {pages_needed(len(keys), bpp)}")
+        idd = identity.digest()
+        entry_id = entry_id_for(idd, keys[-1])
+        with self._mutex:
+            self.index.refresh()
+            if self.index.used_bytes > self.max_bytes:
+                return self._failed(OVER_CAPACITY, started, entry_id,
+                                    f"store holds {self.index.used_bytes} bytes, above "
+                                    f"max_bytes={self.max_bytes}; maintenance will evict down to "
+                                    "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
+            try:
+                reused_refs = self._resolve_missing_pages(idd, keys, bpp, pages)
+            except LookupError as exc:
+                return self._failed(BASE_ABSENT, started, entry_id, str(exc))
+        refs: list[PageRef] = []
+        data_by_digest: dict[str, bytes | memoryview] = {}
+        given = [p for p in pages if p is not None]
+        digests = iter(parallel_map(digest_of, given) if sum(map(len, given)) > _PARALLEL_HASH_BYTES
+                       else [digest_of(p) for p in given])
+        for i, page in enumerate(pages):
+            if page is None:
+                refs.append(reused_refs[i])
+            else:
+                digest = next(digests)
+                refs.append(PageRef(digest, len(page)))
+                data_by_digest[digest] = page
+        manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time())
+        staging = Staging(self.layout.staging_dir)
+        try:
+            staging.open()
+            written, bytes_written, reused = self._write_objects(staging, refs, data_by_digest)
+            self._write_manifest(staging, manifest)
+        except _BaseAbsent as exc:
+            return self._failed(BASE_ABSENT, started, entry_id, str(exc))
+        except OSError as exc:
+            reason = NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else IO_ERROR
+            fix = ("free space on the filesystem holding the store, or set SPARKCACHE_MAX_BYTES "
+                   "below its free space" if reason == NO_SPACE else "check the store directory")
+            return self._failed(reason, started, entry_id, f"{exc}; {fix}")
+        finally:
+            staging.close()
+        with self._mutex:
+            self.index.load(idd, entry_id)
+        superseded = self._supersede_shorter(idd, keys)
+        result = PublishResult(True, PUBLISHED, entry_id, "", written, len(refs) - written,
+                               bytes_written, superseded, time.monotonic() - started)
+        if self.metrics is not None:
+            self.metrics.on_publish(result)
+        self._report_capacity()
+        return result
+
+    def _resolve_missing_pages(self, idd: str, keys: list[str], bpp: int,
+                               pages: Sequence[Any]) -> dict[int, PageRef]:
+        wanted = [i for i, p in enumerate(pages) if p is None]
+        if not wanted:
+            return {}
+        entry, depth = self.index.longest_match(idd, keys)
+        out: dict[int, PageRef] = {}
+        for i in wanted:
+            end_new = min((i + 1) * bpp, len(keys))
+            if (entry is None or entry.manifest.blocks_per_page != bpp or end_new > depth
+                    or min((i + 1) * bpp, entry.manifest.block_count) != end_new):
+                raise LookupError(
+                    f"page {i} (blocks {i * bpp}..{end_new}) was given as None but no stored "
+                    f"entry holds exactly those blocks at {bpp} blocks/page; pass its bytes")
+            out[i] = entry.manifest.pages[i]
+        return out
+
+    def _write_objects(self, staging: Staging, refs: list[PageRef],
+                       data_by_digest: dict[str, Any]) -> tuple[int, int, int]:
+        unique = {r.digest: r for r in refs}
+        with shared_lock(self.layout.gc_lock_path):
+            staging.declare(unique)
+            missing = [r for r in unique.values()
+                       if not self.objects.exists_with_size(r.digest, r.size)]
+        batch = []
+        for ref in missing:
+            data = data_by_digest.get(ref.digest)
+            if data is None:
+                raise _BaseAbsent(f"object {ref.digest} of the stored prefix is gone (evicted or "
+                                  "deleted); publish again with its bytes")
+            batch.append((ref.digest, data, staging.temp_path(ref.digest)))
+        bytes_written = 0
+        for start in range(0, len(batch), _WRITE_BATCH):
+            chunk = batch[start:start + _WRITE_BATCH]
+            sync_all(fsync_dir, sorted(self.objects.write_many(chunk)))
+            bytes_written += sum(len(data) for _, data, _ in chunk)
+        written_digests = {r.digest for r in missing}
+        written_pages = sum(1 for r in refs if r.digest in written_digests)
+        return written_pages, bytes_written, len(refs) - written_pages
+
+    def _write_manifest(self, staging: Staging, manifest: Manifest) -> None:
+        idir = self.layout.identity_dir(manifest.identity_digest)
+        if not os.path.isdir(idir):
+            os.makedirs(idir, exist_ok=True)
+            fsync_dir(self.layout.manifests_dir)
+        final = self.layout.manifest_path(manifest.identity_digest, manifest.entry_id)
+        write_file_durably(staging.temp_path("manifest"), final, encode(manifest))
+        fsync_dir(idir)
+
+    def _supersede_shorter(self, idd: str, keys: list[str]) -> tuple[str, ...]:
+        """Evict entries that the new one extends (their blocks are all in it), unless pinned.
+        Best effort: skipped when the collector holds the lock."""
+        with self._mutex:
+            shorter = self.index.entries_ending_within(idd, keys)
+        if not shorter:
+            return ()
+        try:
+            with exclusive_lock(self.layout.gc_lock_path, timeout_s=0.0):
+                protected = self.locked_view_refresh()
+                pinned = live_pins(self.layout.pins_dir)
+                done = tuple(e for e in shorter if e not in pinned and e in self.index.entries)
+                self.evict_locked(done, protected)
+                return done
+        except LockTimeout:
+            return ()
+
+    def _failed(self, reason: str, started: float, entry_id: str, detail: str) -> PublishResult:
+        result = PublishResult(False, reason, entry_id, detail,
+                               duration_s=time.monotonic() - started)
+        if self.metrics is not None:
+            self.metrics.on_publish(result)
+        return result
+
+    # ------------------------------------------------------------------ lookup / read
+
+    def lookup(self, identity: Identity, block_hashes: Sequence[BlockHash], *,
+               lease: bool = False, verify: bool = False) -> LookupResult:
+        """The longest stored prefix of ``block_hashes`` for ``identity``.
+
+        Every page of the hit is checked (present, regular, right size; with ``verify``
+        also re-hashed). A broken entry is a miss with reason ``corrupt`` or ``absent``.
+        With ``lease`` the entry is pinned (release with ``release``).
+        """
+        keys = block_keys(block_hashes)
+        idd = identity.digest()
+        with self._mutex:
+            self.index.refresh()
+            entry, depth = self.index.longest_match(idd, keys)
+            refused = self._refused_deeper_manifest(idd, keys, depth)
+        if entry is None:
+            if refused is not None:
+                return self._miss(refused.reason, refused.entry_id,
+                                  f"manifest {refused.path}: {refused.detail}")
+            return self._miss(NOT_FOUND, None, "no stored prefix for this identity")
+        handle = _handle_of(entry)
+        for page in entry.manifest.pages_for_blocks(depth):
+            try:
+                if verify:
+                    self.objects.read_verified(page.digest, page.size)
+                else:
+                    self.objects.check_present(page.digest, page.size)
+            except ObjectError as exc:
+                return self._miss(exc.reason, entry.entry_id, str(exc))
+        lease_id = None
+        if lease:
+            lease_id = self.pin(entry.entry_id, idd)
+            if lease_id is None:
+                return self._miss(ABSENT, entry.entry_id, "entry was evicted during the lookup")
+        _touch(entry)
+        result = LookupResult(depth, entry.entry_id, HIT, "", handle, lease_id)
+        if self.metrics is not None:
+            self.metrics.on_lookup(result)
+        return result
+
+    def _refused_deeper_manifest(self, idd: str, keys: list[str], depth: int):
+        if not any(b.identity_digest == idd for b in self.index.bad.values()):
+            return None
+        for j in range(len(keys) - 1, depth - 1, -1):
+            bad = self.index.bad.get(entry_id_for(idd, keys[j]))
+            if bad is not None:
+                return bad
+        return None
+
+    def read(self, handle: EntryHandle, n_blocks: int | None = None) -> ReadResult:
+        """Verified bytes of the pages holding the first ``n_blocks`` blocks."""
+        n_blocks = handle.block_count if n_blocks is None else n_blocks
+        if not 0 < n_blocks <= handle.block_count:
+            raise ValueError(f"read: n_blocks={n_blocks} outside 1..{handle.block_count}")
+        try:
+            pages = self.objects.read_many_verified(
+                list(handle.pages[: pages_needed(n_blocks, handle.blocks_per_page)]))
+        except ObjectError as exc:
+            if self.metrics is not None:
+                self.metrics.on_lookup(LookupResult(0, handle.entry_id, exc.reason, str(exc)))
+            return ReadResult(exc.reason, bad_digest=exc.digest, detail=str(exc))
+        return ReadResult(HIT, n_blocks, handle.blocks_per_page, tuple(pages))
+
+    def fetch(self, identity: Identity, block_hashes: Sequence[BlockHash]) -> tuple[LookupResult, ReadResult | None]:
+        """Lookup plus verified read of the hit; the read is None on a lookup miss."""
+        result = self.lookup(identity, block_hashes, lease=True)
+        if not result.hit:
+            return result, None
+        try:
+            return result, self.read(result.handle, result.hit_blocks)
+        finally:
+            self.release(result.lease_id)
+
+    def _miss(self, reason: str, entry_id: str | None, detail: str) -> LookupResult:
+        result = LookupResult(0, entry_id, reason, detail)
+        if self.metrics is not None:
+            self.metrics.on_lookup(result)
+        return result
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, entry_id: str, identity_digest: str | None = None) -> str | None:
+        """Pin an entry for ``lease_seconds``; None if it no longer exists."""
+        with self._mutex:
+            entry = self.index.entries.get(entry_id)
+        if entry is None:
+            return None
+        with shared_lock(self.layout.gc_lock_path):
+            lease_id = create_pin(self.layout.pins_dir, entry_id, self.lease_seconds)
+            if not os.path.exists(entry.path):
+                release_pin(self.layout.pins_dir, lease_id)
+                return None
+        return lease_id
+
+    def release(self, lease_id: str | None) -> None:
+        if lease_id:
+            release_pin(self.layout.pins_dir, lease_id)
+
+    # ------------------------------------------------------------------ eviction primitive
+
+    def evict_locked(self, entry_ids: Sequence[str], protected: set[str]) -> int:
+        """Evict entries completely: manifests, fsync, then the objects only they referenced.
+        Returns bytes reclaimed. Caller holds the exclusive gc lock and has refreshed the
+        index with ``force=True`` after reading ``protected`` (see ``locked_view_refresh``)."""
+        reclaimed = self.drop_manifests_locked(entry_ids)
+        self.sync_dropped_locked()
+        deleted, _ = self.delete_deferred_locked(protected)
+        return reclaimed + deleted
+
+    def drop_manifests_locked(self, entry_ids: Sequence[str]) -> int:
+        """Unlink manifests (not yet fsynced) and defer the objects they alone referenced.
+        Returns the manifests' bytes."""
+        reclaimed = 0
+        with self._mutex:
+            for entry_id in entry_ids:
+                entry = self.index.entries.get(entry_id)
+                if entry is None:
+                    continue
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+                self.unsynced_dirs.add(os.path.dirname(entry.path))
+                reclaimed += allocated(entry.manifest_bytes, self.index.alloc_unit)
+                sizes = {p.digest: p.size for p in entry.manifest.pages}
+                for digest in self.index.remove(entry_id):
+                    self.index.deferred[digest] = sizes[digest]
+        return reclaimed
+
+    def sync_dropped_locked(self) -> float:
+        """fsync the directories of dropped manifests, so no crash can bring one back after
+        its objects are deleted. Returns the seconds it took (tracked in ``fsync_cost_s``)."""
+        with self._mutex:
+            dirs = sorted(self.unsynced_dirs)
+        if not dirs:
+            return 0.0
+        t0 = time.monotonic()
+        sync_all(fsync_dir, dirs)
+        took = time.monotonic() - t0
+        with self._mutex:
+            self.unsynced_dirs.difference_update(dirs)
+            self.fsync_cost_s = max(took, self.fsync_cost_s * 0.8)
+        return took
+
+    def delete_deferred_locked(self, protected: set[str],
+                               deadline: float | None = None) -> tuple[int, bool]:
+        """Delete deferred objects that are still garbage, until ``deadline`` (monotonic).
+        Returns (bytes reclaimed, whether none are left). Does nothing while a dropped
+        manifest's directory is not yet fsynced."""
+        if self.unsynced_dirs:
+            return 0, not self.index.deferred
+        reclaimed = 0
+        for digest in list(self.index.deferred):
+            if deadline is not None and time.monotonic() >= deadline:
+                return reclaimed, False
+            with self._mutex:
+                self.index.deferred.pop(digest, None)
+                if digest in protected or digest in self.index.refcount:
+                    continue  # referenced again (a publication reused it): not garbage
+            reclaimed += allocated(self.objects.remove(digest), self.index.alloc_unit)
+        return reclaimed, True
+
+    def locked_view_refresh(self) -> set[str]:
+        """Under the exclusive gc lock: digests of live publications, then a full re-list of
+        the manifests (in that order, so an entry published meanwhile is seen by one of them)."""
+        protected, _ = read_live_intents(self.layout.staging_dir)
+        with self._mutex:
+            self.index.refresh(force=True)
+        return protected
+
+    # ------------------------------------------------------------------ views
+
+    def capacity(self) -> CapacitySnapshot:
+        with self._mutex:
+            self.index.refresh()
+            return CapacitySnapshot(len(self.index.entries), self.index.used_bytes,
+                                    self.max_bytes, self.low_watermark_bytes, len(self.index.bad))
+
+    def entry(self, entry_id: str) -> IndexedEntry | None:
+        with self._mutex:
+            self.index.refresh()
+            return self.index.entries.get(entry_id)
+
+    def _report_capacity(self) -> None:
+        if self.metrics is not None:
+            self.metrics.on_capacity(self.capacity())
+
+
+_WRITE_BATCH = 64  # objects written, then synced together
+_PARALLEL_HASH_BYTES = 4 << 20  # hash pages on the pool above this much data
+
+
+class _BaseAbsent(Exception):
+    pass
+
+
+def _handle_of(entry: IndexedEntry) -> EntryHandle:
+    m = entry.manifest
+    return EntryHandle(m.entry_id, m.identity_digest, m.block_count, m.blocks_per_page, m.pages)
+
+
+def _touch(entry: IndexedEntry) -> None:
+    """Record an access (LRU) in the manifest's mtime, visible to every process."""
+    now = time.time()
+    try:
+        os.utime(entry.path, (now, now), follow_symlinks=False)
+        entry.last_access = now
+    except FileNotFoundError:
+        pass

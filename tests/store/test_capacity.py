@@ -1,0 +1,201 @@
+"""Capacity accounting, LRU eviction toward the low watermark, pins, TTL, refusal above
+max, and budgeted maintenance passes that report the work they left."""
+
+import os
+import time
+
+from sparkcache.metrics import StoreMetrics
+from sparkcache.store import MaintenanceThread, PassBudget, run_pass, verify_store
+from store_helpers import IDENT, conv_keys, conv_pages, open_store
+
+PAGE = 4096  # 16 blocks * 256 bytes: one filesystem block per page
+
+
+def _fill(store, convs, n_blocks=16):
+    for conv in convs:
+        assert store.publish(IDENT, conv_keys(conv, n_blocks), conv_pages(conv, n_blocks, 16)).ok
+
+
+def _age(store, conv, seconds_ago, n_blocks=16):
+    entry = store.entry(store.lookup(IDENT, conv_keys(conv, n_blocks)).entry_id)
+    t = time.time() - seconds_ago
+    os.utime(entry.path, (t, t))
+
+
+def _small_store(root, **kw):
+    # each entry: one 4 KiB page + one manifest block = 8 KiB
+    kw.setdefault("max_bytes", 80 * 1024)
+    kw.setdefault("low_watermark_bytes", 40 * 1024)
+    return open_store(root, page_blocks=16, **kw)
+
+
+def test_eviction_goes_to_low_watermark_in_lru_order(tmp_path):
+    store = _small_store(tmp_path)
+    _fill(store, range(10))
+    for conv in range(10):
+        _age(store, conv, 100 - conv)  # conv 0 oldest
+    _age(store, 0, 0)  # conv 0 was just read: now the newest
+    _fill(store, [10])  # 11 entries = 88 KiB > 80 KiB
+    assert store.capacity().over_max
+    report = run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
+    assert report.stopped_by == "done" and report.remaining_entries == 0
+    assert report.used_bytes_after <= 40 * 1024 < report.used_bytes_before
+    alive = [c for c in range(11) if store.lookup(IDENT, conv_keys(c, 16)).hit]
+    assert alive == [0, 7, 8, 9, 10]  # the least recently used went first
+    assert report.entries_evicted == 6 and report.bytes_reclaimed == 6 * 8192
+    assert verify_store(store.layout).ok
+    # below max again: a further pass has nothing to do
+    again = run_pass(store, PassBudget())
+    assert again.entries_evicted == 0
+
+
+def test_pinned_entry_is_not_evicted(tmp_path):
+    store = _small_store(tmp_path)
+    _fill(store, range(11))
+    for conv in range(11):
+        _age(store, conv, 100 - conv)
+    lease = store.lookup(IDENT, conv_keys(0, 16), lease=True)
+    assert lease.lease_id
+    _age(store, 0, 1000)  # still the oldest after the lookup touched it
+    report = run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
+    assert report.pinned_skipped == 1
+    assert store.lookup(IDENT, conv_keys(0, 16)).hit
+    assert report.used_bytes_after <= 40 * 1024
+    store.release(lease.lease_id)
+    store.max_bytes = store.low_watermark_bytes = 8192  # now make room for one entry only
+    store.draining = True
+    _age(store, 0, 1000)
+    run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
+    assert not store.lookup(IDENT, conv_keys(0, 16)).hit
+
+
+def test_expired_pin_no_longer_protects(tmp_path):
+    store = _small_store(tmp_path, lease_seconds=1)
+    _fill(store, range(11))
+    lease = store.lookup(IDENT, conv_keys(0, 16), lease=True)
+    _age(store, 0, 1000)
+    time.sleep(1.1)
+    run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
+    assert not store.lookup(IDENT, conv_keys(0, 16)).hit
+    assert os.listdir(store.layout.pins_dir) == []  # the expired pin file was collected
+    assert lease.lease_id
+
+
+def test_ttl_expiry(tmp_path):
+    store = _small_store(tmp_path, ttl_seconds=60)
+    _fill(store, range(3))
+    _age(store, 1, 120)
+    report = run_pass(store, PassBudget())
+    assert report.entries_expired == 1 and report.entries_evicted == 0
+    assert [c for c in range(3) if store.lookup(IDENT, conv_keys(c, 16)).hit] == [0, 2]
+
+
+def test_publication_refused_above_max_with_counter(tmp_path):
+    metrics = StoreMetrics()
+    store = _small_store(tmp_path, metrics=metrics)
+    _fill(store, range(11))  # the 11th publication crossed max: allowed (in flight)
+    result = store.publish(IDENT, conv_keys(99, 16), conv_pages(99, 16, 16))
+    assert not result.ok and result.reason == "over_capacity" and "SPARKCACHE_MAX_BYTES" in result.detail
+    assert metrics.publish_failures("over_capacity") == 1
+    run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
+    assert store.publish(IDENT, conv_keys(99, 16), conv_pages(99, 16, 16)).ok
+
+
+def test_pass_stops_on_entry_budget_and_reports_remaining(tmp_path):
+    store = _small_store(tmp_path)
+    _fill(store, range(11))
+    report = run_pass(store, PassBudget(max_entries=3, max_bytes=1 << 30, max_ms=5000))
+    assert report.stopped_by == "entries" and report.entries_evicted == 3
+    assert report.remaining_entries == 3  # 11 -> 5 entries reaches 40 KiB
+    # still draining although now under max: the next passes finish the job
+    assert store.draining and not store.capacity().over_max
+    report2 = run_pass(store, PassBudget(max_entries=3, max_bytes=1 << 30, max_ms=5000))
+    assert report2.entries_evicted == 3 and report2.remaining_entries == 0
+    assert store.capacity().used_bytes <= 40 * 1024 and not store.draining
+
+
+def test_pass_stops_on_byte_budget(tmp_path):
+    store = _small_store(tmp_path)
+    _fill(store, range(11))
+    report = run_pass(store, PassBudget(max_entries=100, max_bytes=20 * 1024, max_ms=5000))
+    assert report.stopped_by == "bytes" and report.entries_evicted == 2
+    assert report.bytes_reclaimed <= 20 * 1024 and report.remaining_entries == 4
+
+
+def test_pass_stops_on_time_budget(tmp_path):
+    store = open_store(tmp_path, page_blocks=16, max_bytes=1 << 30, low_watermark_bytes=0)
+    _fill(store, range(300))  # 300 * 8 KiB = 2.4 MiB
+    store.max_bytes = 1 << 20
+    report = run_pass(store, PassBudget(max_entries=10000, max_bytes=1 << 40, max_ms=5))
+    assert report.stopped_by == "time", report
+    assert report.remaining_entries > 0
+    # Counting what is left is itself bounded by a slice of the budget, so on a loaded
+    # machine it is a lower bound; never more than what was there.
+    assert report.remaining_entries + report.entries_evicted <= 300
+
+
+def test_orphans_are_collected_but_not_live_publications(tmp_path):
+    from sparkcache.store.staging import Staging
+
+    store = _small_store(tmp_path)
+    _fill(store, [1])
+    orphan = b"orphan" * 100
+    from sparkcache.store.objects import digest_of
+    d_orphan = digest_of(orphan)
+    with Staging(store.layout.staging_dir) as dead_writer_stand_in:
+        store.objects.write(d_orphan, orphan, dead_writer_stand_in.temp_path("x"))
+    live = b"in flight" * 100
+    d_live = digest_of(live)
+    with Staging(store.layout.staging_dir) as inflight:
+        inflight.declare([d_live])
+        store.objects.write(d_live, live, inflight.temp_path("y"))
+        report = run_pass(store, PassBudget(), sweep_shards=256)
+        assert report.orphans_collected == 1
+        assert not os.path.exists(store.objects.path(d_orphan))
+        assert os.path.exists(store.objects.path(d_live))  # protected by the live intent
+    assert verify_store(store.layout).ok and store.lookup(IDENT, conv_keys(1, 16)).hit
+
+
+def test_maintenance_thread_keeps_idle_gap_and_store_under_max(tmp_path):
+    metrics = StoreMetrics()
+    store = _small_store(tmp_path, metrics=metrics)
+    interval = 0.2
+    thread = MaintenanceThread(store, PassBudget(max_entries=2, max_bytes=1 << 30, max_ms=50),
+                               interval, sweep_every_s=3600).start()
+    try:
+        for conv in range(40):
+            store.publish(IDENT, conv_keys(conv, 16), conv_pages(conv, 16, 16))
+            time.sleep(0.01)
+        deadline = time.time() + 10
+        while time.time() < deadline and (store.draining or store.capacity().over_max):
+            time.sleep(0.05)
+    finally:
+        thread.stop()
+    assert thread.error is None
+    reports = list(thread.reports)
+    assert len(reports) >= 3
+    for prev, nxt in zip(reports, reports[1:]):
+        gap = nxt.started_at - (prev.started_at + prev.duration_s)
+        assert gap >= interval * 0.95, gap
+    assert any(r.stopped_by == "entries" and r.remaining_entries > 0 for r in reports)
+    assert store.capacity().used_bytes <= 80 * 1024
+    assert metrics.evictions._value.get() == sum(r.entries_evicted for r in reports)
+
+
+def test_objects_of_a_dropped_entry_stay_counted_until_deleted(tmp_path):
+    from sparkcache.store.locks import exclusive_lock
+
+    store = _small_store(tmp_path)
+    _fill(store, range(3))
+    before = store.capacity().used_bytes
+    lookup = store.lookup(IDENT, conv_keys(0, 16))
+    obj = store.objects.path(lookup.handle.pages[0].digest)
+    with exclusive_lock(store.layout.gc_lock_path, 1.0):
+        store.locked_view_refresh()
+        store.drop_manifests_locked([lookup.entry_id])  # what a pass out of time leaves
+    assert os.path.exists(obj) and store.capacity().entries == 2
+    assert store.capacity().used_bytes == before - 4096  # only the manifest is gone yet
+    assert verify_store(store.layout).ok
+    report = run_pass(store, PassBudget())
+    assert report.deferred_objects == 0 and not os.path.exists(obj)
+    assert store.capacity().used_bytes == before - 8192

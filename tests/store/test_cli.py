@@ -1,0 +1,114 @@
+"""The ``sparkcache`` command, run as ``python -m sparkcache`` in a subprocess."""
+
+import json
+import os
+import re
+
+from sparkcache.store import PassBudget  # noqa: F401  (import check: no vLLM/torch needed)
+from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
+
+
+def _store(tmp_path, n_convs=3):
+    store = open_store(tmp_path / "s", page_blocks=4)
+    for conv in range(n_convs):
+        store.publish(IDENT, conv_keys(conv, 10), conv_pages(conv, 10, 4))
+    return store
+
+
+def test_status_prints_capacity_line_and_gauges(tmp_path):
+    _store(tmp_path)
+    cli = run_cli("status", "--root", str(tmp_path / "s"), env={"SPARKCACHE_MAX_BYTES": "2GiB",
+                                                                "SPARKCACHE_LOW_WATERMARK_BYTES": "1GiB"})
+    assert cli.returncode == 0, cli.stderr
+    first = cli.stdout.splitlines()[0]
+    assert re.fullmatch(r"sparkcache: capacity ranks=1 entries=3 used=0\.0/2\.0GiB healthy=yes", first), first
+    for gauge in ("vllm:sparkcache_capacity_used_bytes", "vllm:sparkcache_capacity_limit_bytes",
+                  "vllm:sparkcache_entries", "vllm:sparkcache_publication_pending_slots",
+                  "vllm:sparkcache_maintenance_remaining_entries"):
+        assert gauge in cli.stdout
+    assert 'vllm:sparkcache_entries{rank="0"} 3.0' in cli.stdout
+
+
+def test_status_several_ranks(tmp_path):
+    _store(tmp_path)
+    other = open_store(tmp_path / "s2", page_blocks=4)
+    other.publish(IDENT, conv_keys(9, 4), conv_pages(9, 4, 4))
+    cli = run_cli("status", "--root", str(tmp_path / "s"), "--root", str(tmp_path / "s2"))
+    assert cli.stdout.startswith("sparkcache: capacity ranks=2 entries=4 used=0.0/80.0GiB healthy=yes")
+
+
+def test_status_applies_settings_validation(tmp_path):
+    _store(tmp_path)
+    cli = run_cli("status", "--root", str(tmp_path / "s"), env={"SPARKCACHE_MAX_BYTES": "lots"})
+    assert cli.returncode == 2
+    assert "SPARKCACHE_MAX_BYTES='lots'" in cli.stderr and "GiB" in cli.stderr
+    cli = run_cli("status", "--root", str(tmp_path / "s"), "--config",
+                  json.dumps({"max_bytes": "1GiB", "low_watermark_bytes": "2GiB"}))
+    assert cli.returncode == 2 and "SPARKCACHE_LOW_WATERMARK_BYTES" in cli.stderr
+    cli = run_cli("status", "--root", str(tmp_path / "missing"))
+    assert cli.returncode == 2 and "no store at" in cli.stderr
+
+
+def test_verify_ok_and_failing(tmp_path):
+    store = _store(tmp_path)
+    assert run_cli("verify", "--root", str(tmp_path / "s")).returncode == 0
+    handle = store.lookup(IDENT, conv_keys(1, 10)).handle
+    victim = store.objects.path(handle.pages[0].digest)
+    with open(victim, "r+b") as f:
+        f.write(b"X")
+    cli = run_cli("verify", "--root", str(tmp_path / "s"))
+    assert cli.returncode == 1
+    line = next(l for l in cli.stdout.splitlines() if l.startswith("BAD"))
+    assert victim in line and handle.entry_id in line and "corrupt" in line
+
+
+def test_gc_runs_one_bounded_pass(tmp_path):
+    store = _store(tmp_path, n_convs=6)
+    cli = run_cli("gc", "--root", str(tmp_path / "s"), "--config",
+                  json.dumps({"max_bytes": "1MiB", "low_watermark_bytes": 0,
+                              "maintenance_max_entries": 2}))
+    assert cli.returncode == 0, cli.stderr
+    # under max: nothing to evict
+    assert "evicted=0" in cli.stdout and "stopped_by=done" in cli.stdout
+    store.max_bytes = 1 << 20
+    for conv in range(6, 80):  # push it over 1 MiB
+        store.publish(IDENT, conv_keys(conv, 10), conv_pages(conv, 10, 4))
+    cli = run_cli("gc", "--root", str(tmp_path / "s"), "--config",
+                  json.dumps({"max_bytes": "1MiB", "low_watermark_bytes": "512KiB",
+                              "maintenance_max_entries": 2}))
+    assert cli.returncode == 0, cli.stderr
+    assert "evicted=2 " in cli.stdout and "stopped_by=entries" in cli.stdout
+    assert re.search(r"remaining_entries=[1-9]", cli.stdout), cli.stdout
+
+
+def test_inspect_entry(tmp_path):
+    store = _store(tmp_path)
+    entry_id = store.lookup(IDENT, conv_keys(2, 10)).entry_id
+    cli = run_cli("inspect", "--root", str(tmp_path / "s"), entry_id[:10], "--verify")
+    assert cli.returncode == 0, cli.stderr
+    assert f"entry {entry_id}" in cli.stdout and "identity.model = tiny-llama" in cli.stdout
+    assert "blocks     10 (160 tokens), 4 blocks/page, 3 pages" in cli.stdout
+    assert cli.stdout.count("verified") == 3
+    assert run_cli("inspect", "--root", str(tmp_path / "s"), "ffffffff").returncode == 1
+
+
+def test_every_subcommand_has_help():
+    top = run_cli("--help")
+    assert top.returncode == 0 and "SPARKCACHE_MAX_BYTES" in top.stdout
+    for cmd in ("status", "verify", "gc", "inspect"):
+        cli = run_cli(cmd, "--help")
+        assert cli.returncode == 0 and "--root" in cli.stdout and len(cli.stdout) > 200, cmd
+
+
+def test_cli_does_not_import_vllm_or_torch(tmp_path):
+    _store(tmp_path)
+    import subprocess
+    import sys
+    from store_helpers import REPO_ROOT
+    code = ("import sys; from sparkcache.cli import main; main(['status', '--root', %r]); "
+            "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'heavy import'"
+            % str(tmp_path / "s"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKCACHE_")}
+    env["PYTHONPATH"] = REPO_ROOT
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
