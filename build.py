@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Build, push and verify sparkcache images: digest-pinned inputs, hermetic build, one output line.
+
+  python build.py [--spec images/vllm-cpu.yaml] [--registry HOST:PORT/REPO] [--dry-run] [--no-cache] [--receipt PATH]
+  python build.py verify REGISTRY/REPO@sha256:... [--receipt PATH]
+
+build: resolves every input to a digest (the base image: made with debootstrap and pushed, or named
+by digest in the spec; each wheel: downloaded into .cache/wheelhouse and sha256-checked; the
+sparkcache wheel built from this checkout; the transformed vLLM files from the transform engine),
+installs the wheels with no network (--no-index --no-deps --require-hashes), checks the installed
+vLLM target files against the lock's preimage hashes, adds the transformed files, sparkcache and the
+contract suite as one deterministic layer, checks the postimage hashes in the built image, pushes,
+writes a receipt (.cache/receipts/NAME-HEX.json) and prints exactly one line on stdout:
+REGISTRY/REPO@sha256:... . Progress goes to stderr. With no --registry it starts Debian's
+docker-registry on 127.0.0.1:$SPARKCACHE_REGISTRY_PORT (default 5050) and leaves it running.
+Timestamps come from SOURCE_DATE_EPOCH (default: the commit time of HEAD, or 0 with no commit).
+
+verify: pulls the reference by digest, runs the contract suite (contracts/) inside it with no
+network, and exits with the suite's exit status.
+
+If no Docker Engine answers: on Debian as root, images/setup-docker.sh installs docker.io,
+docker-registry, debootstrap and skopeo and starts dockerd --bridge=none --iptables=false
+--ip-masq=false; elsewhere it stops and says what to install. Exit codes: 0 success, 2 refused
+(the one-line reason on stderr), otherwise the contract suite's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO_ROOT))
+
+EXIT_REFUSED = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python build.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", type=Path, default=REPO_ROOT / "images" / "vllm-cpu.yaml", help="the image spec (default: images/vllm-cpu.yaml, the CPU lane)")
+    p.add_argument("--registry", metavar="HOST:PORT/REPO", help="push to this repository (default: sparkcache/<spec name> in a local registry on 127.0.0.1)")
+    p.add_argument("--dry-run", action="store_true", help="validate the spec, resolve what is known without building and print the plan (JSON) on stdout")
+    p.add_argument("--no-cache", action="store_true", help="rebuild the overlay stage without the engine's build cache (the base and wheels stages are inputs, reused by digest)")
+    p.add_argument("--receipt", type=Path, help="also write the build receipt here (always written to .cache/receipts/)")
+    return p
+
+
+def verify_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python build.py verify", description="pull REF by digest and run the contract suite inside it with no network; exits with the suite's status")
+    p.add_argument("ref", metavar="REGISTRY/REPO@sha256:...", help="the reference `make image` printed")
+    p.add_argument("--receipt", type=Path, help="the build receipt (default: .cache/receipts/*-HEX.json for the digest)")
+    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments for the suite (after --)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from images.builder.dockerenv import BuildError
+    from images.builder.spec import SpecError
+
+    try:
+        if argv[:1] == ["verify"]:
+            args = verify_parser().parse_args(argv[1:])
+            from images.builder.pipeline import verify
+
+            return verify(args.ref, args.receipt, args.pytest_args)
+        args = build_parser().parse_args(argv)
+        from images.builder.pipeline import build
+
+        ref = build(args.spec, args.registry, dry_run=args.dry_run, no_cache=args.no_cache, receipt_path=args.receipt)
+        if ref:
+            print(ref, flush=True)
+        return 0
+    except (BuildError, SpecError) as exc:
+        print(f"build.py: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""build and verify: resolve every input to a digest, build, check, push, write the receipt."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from images.builder import layers
+from images.builder.dockerenv import (
+    CACHE,
+    REPO_ROOT,
+    BuildError,
+    check_stream,
+    dump_json,
+    engine,
+    engine_versions,
+    ensure_local_registry,
+    progress,
+    pull_by_digest,
+    push,
+    registry_manifest_digest,
+    split_ref,
+)
+from images.builder.spec import Spec, load
+
+RECEIPTS = CACHE / "receipts"
+CONTRACTS_DIR = "/opt/sparkcache"
+
+
+def git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH if set, else the commit time of HEAD, else 0 (documented in --help)."""
+    if os.environ.get("SOURCE_DATE_EPOCH"):
+        try:
+            return int(os.environ["SOURCE_DATE_EPOCH"])
+        except ValueError:
+            raise BuildError(f"SOURCE_DATE_EPOCH={os.environ['SOURCE_DATE_EPOCH']!r} is not an integer; fix: seconds since 1970, e.g. $(git log -1 --format=%ct)") from None
+    ct = git("log", "-1", "--format=%ct")
+    return int(ct) if ct else 0
+
+
+def parse_registry(value: str | None, spec: Spec) -> str:
+    """--registry HOST:PORT/REPO -> the repository to push to; none: the local registry's."""
+    if value is None:
+        host = ensure_local_registry()
+        return f"{host}/{spec.repository}"
+    if "/" not in value or ":" not in value.split("/")[0] or value.endswith("/"):
+        raise BuildError(f"--registry {value!r}: expected HOST:PORT/REPO, e.g. 127.0.0.1:5050/sparkcache/{spec.name}; fix: name the host, its port and the repository")
+    if "@" in value or ":" in value.split("/", 1)[1]:
+        raise BuildError(f"--registry {value!r}: name a repository, not a tag or digest; fix: drop the ':TAG' / '@sha256:...'")
+    return value
+
+
+def lock_info():
+    from transforms import engine as tengine
+
+    lock = tengine.load_lock()
+    return lock, tengine.LOCK_PATH if hasattr(tengine, "LOCK_PATH") else REPO_ROOT / "transforms" / f"vllm-{lock.vllm_version}.lock.json"
+
+
+def record_scenarios(lock) -> dict:
+    """What transforms/scenarios/* give on the host's transformed tree (cached by lock and scenario sources)."""
+    scen_dir = REPO_ROOT / "transforms" / "scenarios"
+    modules = sorted(p.stem for p in scen_dir.glob("*.py") if p.stem not in ("__init__", "harness"))
+    sources = {p.name: layers.sha256_file(p) for p in sorted(scen_dir.glob("*.py"))}
+    key = layers.short_key({"lock": lock.sha256, "sources": sources, "runner": layers.sha256_file(REPO_ROOT / "contracts" / "scenario_runner.py")})
+    out = CACHE / "scenarios" / f"{key}.json"
+    if out.exists():
+        return json.loads(out.read_text())
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from trees import build_transformed_tree, tree_env  # noqa: E402 - the test suite's own transformed tree
+
+    progress(f"recording scenarios {', '.join(modules)} on the host's transformed tree (once per lock)")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = build_transformed_tree(Path(tmp) / "site")
+        results = {}
+        for m in modules:
+            proc = subprocess.run(
+                [sys.executable, str(REPO_ROOT / "contracts" / "scenario_runner.py"), f"transforms.scenarios.{m}"],
+                env=tree_env(tree), capture_output=True, text=True, cwd=REPO_ROOT, timeout=900,
+            )
+            line = next((l for l in proc.stdout.splitlines() if l.startswith("SCENARIO-RESULT ")), None)
+            if line is None:
+                raise BuildError(f"transforms/scenarios/{m}.py failed on the host's transformed tree (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+            results[m] = json.loads(line[len("SCENARIO-RESULT "):])
+    progress(f"scenarios recorded in {time.monotonic() - t0:.0f} s")
+    dump_json(out, results)
+    return results
+
+
+def transformed_files(client, wheels_tag: str, spec: Spec, lock) -> tuple[dict, dict]:
+    """Check the installed targets against the lock's preimages, transform them with the engine.
+
+    Returns ({relpath: transformed bytes}, the engine's manifest).
+    """
+    site = spec.site_packages
+    targets = [f"{site}/{f.path}" for f in lock.files]
+    found = layers.read_files(client, wheels_tag, targets)
+    for f in lock.files:
+        data = found[f"{site}/{f.path}"]
+        if data is None:
+            raise BuildError(f"{spec.path}: the base has no {site}/{f.path}; fix: the wheels must install vLLM {lock.vllm_version} into {spec.venv}")
+        got = layers.hashlib.sha256(data).hexdigest()
+        if got != f.preimage_sha256:
+            raise BuildError(
+                f"{site}/{f.path} in the base has sha256 {got}, the lock's preimage is {f.preimage_sha256}; "
+                f"fix: the base must carry pristine vLLM {lock.vllm_version} ({spec.vllm_distribution}=={spec.vllm_version}), not a patched or other version"
+            )
+    progress(f"preimages verified: {len(lock.files)} vLLM target files in the base match the lock")
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        for f in lock.files:
+            p = tree / f.path
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(found[f"{site}/{f.path}"])
+        manifest_path = Path(tmp) / "manifest.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "transforms", "apply", "--tree", str(tree), "--manifest", str(manifest_path)],
+            cwd=REPO_ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        )
+        if proc.returncode != 0:
+            raise BuildError(f"python -m transforms apply failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        manifest = json.loads(manifest_path.read_text())
+        out = {}
+        for f in lock.files:
+            data = (tree / f.path).read_bytes()
+            got = layers.hashlib.sha256(data).hexdigest()
+            if got != f.postimage_sha256:
+                raise BuildError(f"{f.path}: transformed sha256 {got}, the lock's postimage is {f.postimage_sha256}; fix: regenerate the lock (`python -m transforms lock`)")
+            out[f.path] = data
+    return out, manifest
+
+
+def labels_for(spec: Spec, base: dict, lock, sc_version: str, sde: int, revision: str) -> dict:
+    source = git("remote", "get-url", "origin") or "https://github.com/sparkcache/sparkcache"
+    labels = {
+        "org.opencontainers.image.source": source,
+        "org.opencontainers.image.revision": revision,
+        "org.opencontainers.image.version": sc_version,
+        "org.opencontainers.image.created": dt.datetime.fromtimestamp(sde, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "org.opencontainers.image.base.name": base["name"],
+        "org.opencontainers.image.base.digest": base["digest"],
+        "io.sparkcache.vllm.version": spec.vllm_version,
+        "io.sparkcache.transform-lock.sha256": lock.sha256,
+        "io.sparkcache.version": sc_version,
+        "io.sparkcache.spec": spec.name,
+    }
+    labels.update(spec.labels)
+    return labels
+
+
+def render_dockerfile(wheels_tag: str, spec: Spec, labels: dict) -> str:
+    template = (REPO_ROOT / "images" / "Dockerfile.in").read_text()
+    env = {"PATH": f"{spec.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", **spec.env}
+    env_lines = "\n".join(f"ENV {k}={json.dumps(v)}" for k, v in env.items())
+    label_lines = "LABEL " + " \\\n      ".join(f"{json.dumps(k)}={json.dumps(v)}" for k, v in sorted(labels.items()))
+    return template.format(wheels_image=wheels_tag, env_lines=env_lines, label_lines=label_lines)
+
+
+def context_tar(dockerfile: str, overlay: Path) -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        data = dockerfile.encode()
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+        tf.add(overlay, arcname="overlay.tar")
+    buf.seek(0)
+    return buf
+
+
+def plan(spec: Spec, registry: str | None) -> dict:
+    """What a build would use, every input by digest where one is known without building."""
+    lock, lock_path = lock_info()
+    wheelhouse = CACHE / "wheelhouse"
+    have = {layers.sha256_file(p) for p in wheelhouse.glob("*.whl")} if wheelhouse.exists() else set()
+    base = {"image": spec.base_image} if spec.base_image else {"debootstrap": spec.debootstrap.key()}
+    return {
+        "spec": str(spec.path),
+        "repository": registry or f"127.0.0.1:<local registry>/{spec.repository}",
+        "base": base,
+        "wheels": [{"pin": w.pin, "sha256": w.sha256, "in_wheelhouse": w.sha256 in have} for w in spec.wheels],
+        "transform_lock": {"path": str(lock_path.relative_to(REPO_ROOT)), "sha256": lock.sha256, "order": list(lock.transform_order)},
+        "files": [{"file": f.path, "pre": f.preimage_sha256, "post": f.postimage_sha256} for f in lock.files],
+        "stages": ["base", "wheels (no network, --no-index --require-hashes)", "preimage check", "transform", "overlay (deterministic tar)", "postimage check", "push", "receipt"],
+    }
+
+
+def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_cache: bool = False, receipt_path: Path | None = None) -> str:
+    t_start = time.monotonic()
+    started = dt.datetime.now(dt.timezone.utc)
+    timings = {}
+    spec = load(spec_path)
+    if dry_run:
+        print(json.dumps(plan(spec, registry_arg), indent=2))
+        return ""
+    client = engine()
+    registry = parse_registry(registry_arg, spec)
+    lock, lock_path = lock_info()
+    sde = source_date_epoch()
+    revision = git("rev-parse", "HEAD") or "uncommitted"
+    if revision != "uncommitted" and git("status", "--porcelain", "--untracked-files=no"):
+        revision += "-dirty"
+
+    t = time.monotonic()
+    base_ref, base = layers.resolve_base(client, spec, registry)
+    timings["base_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    stage, wheels = layers.resolve_wheels(spec)
+    timings["wheelhouse_s"] = round(time.monotonic() - t, 1)
+    t = time.monotonic()
+    wheels_tag, wheels_info = layers.wheels_image(client, spec, base_ref, stage)
+    timings["wheels_stage_s"] = round(time.monotonic() - t, 1)
+    files, manifest = transformed_files(client, wheels_tag, spec, lock)
+    scenarios = record_scenarios(lock)
+    sc_wheel, sc_wheel_sha, sc_version = layers.sparkcache_wheel(sde)
+
+    # The overlay: only inputs that are the same for the same sources (no times, no host paths).
+    t = time.monotonic()
+    tar = layers.DeterministicTar(sde, {})
+    site = spec.site_packages
+    for relpath, data in sorted(files.items()):
+        tar.add(f"{site}/{relpath}", data)
+    layers.add_wheel(tar, sc_wheel, site, spec.venv)
+    for path, data, mode in layers.tree_files(REPO_ROOT / "transforms", f"{CONTRACTS_DIR}/transforms"):
+        tar.add(path, data, mode)
+    for path, data, mode in layers.tree_files(REPO_ROOT / "contracts", f"{CONTRACTS_DIR}/contracts"):
+        tar.add(path, data, mode)
+    build_inputs = {
+        "spec": spec.name,
+        "vllm_version": spec.vllm_version,
+        "site_packages": site,
+        "python": spec.python,
+        "base": {"name": base["name"], "digest": base["digest"]},
+        "wheels": [{"name": w["name"], "version": w["version"], "sha256": w["sha256"]} for w in wheels],
+        "sparkcache": {"version": sc_version},
+        "transform_lock_sha256": lock.sha256,
+        "files": manifest["files"],
+        "source_date_epoch": sde,
+        "revision": revision,
+    }
+    tar.add(f"{CONTRACTS_DIR}/build-inputs.json", (json.dumps(build_inputs, indent=2, sort_keys=True) + "\n").encode())
+    tar.add(f"{CONTRACTS_DIR}/expected/scenarios.json", (json.dumps(scenarios, indent=2, sort_keys=True) + "\n").encode())
+    work = CACHE / "overlay" / spec.name
+    work.mkdir(parents=True, exist_ok=True)
+    overlay_tar = work / "overlay.tar"
+    overlay_sha = tar.write(overlay_tar)
+    progress(f"overlay tar {overlay_sha[:16]} ({overlay_tar.stat().st_size // 1024} KiB, {len(tar.files)} files)")
+
+    labels = labels_for(spec, base, lock, sc_version, sde, revision)
+    dockerfile = render_dockerfile(wheels_tag, spec, labels)
+    progress(f"docker build (network none{', no cache' if no_cache else ''})")
+    result = {}
+
+    def on_line(item):
+        if "stream" in item and item["stream"].strip():
+            sys.stderr.write("  | " + item["stream"])
+        if "aux" in item and "ID" in item["aux"]:
+            result["id"] = item["aux"]["ID"]
+
+    check_stream(
+        client.api.build(fileobj=context_tar(dockerfile, overlay_tar), custom_context=True, network_mode="none",
+                         rm=True, forcerm=True, nocache=no_cache, pull=False, decode=True),
+        f"docker build of {spec.path}", on_line,
+    )
+    if "id" not in result:
+        raise BuildError(f"docker build of {spec.path} reported no image id")
+    image = client.images.get(result["id"])
+    timings["overlay_build_s"] = round(time.monotonic() - t, 1)
+
+    # Postimages, read back from the built image.
+    back = layers.read_files(client, image.id, [f"{site}/{f.path}" for f in lock.files])
+    for f in lock.files:
+        data = back[f"{site}/{f.path}"]
+        got = layers.hashlib.sha256(data).hexdigest() if data is not None else "nothing"
+        if got != f.postimage_sha256:
+            raise BuildError(f"{site}/{f.path} in the built image has sha256 {got}, the lock's postimage is {f.postimage_sha256}; fix: rebuild with --no-cache")
+    progress(f"postimages verified: {len(lock.files)} transformed files in the image match the lock")
+
+    tag = f"{spec.vllm_version}-{image.id.split(':')[1][:12]}"
+    image.tag(registry, tag)
+    t = time.monotonic()
+    digest = push(client, registry, tag)
+    timings["push_s"] = round(time.monotonic() - t, 1)
+    ref = f"{registry}@{digest}"
+    image.reload()
+    rootfs = image.attrs["RootFS"]["Layers"]
+    size = image.attrs.get("Size")
+
+    receipt = {
+        "_type": "https://in-toto.io/Statement/v1",
+        "subject": [{"name": registry, "digest": {"sha256": digest.split(":")[1]}, "tag": tag}],
+        "predicateType": "https://slsa.dev/provenance/v1",
+        "predicate": {
+            "buildDefinition": {
+                "buildType": "https://github.com/sparkcache/sparkcache/build.py@v1",
+                "externalParameters": {"spec": str(spec.path.relative_to(REPO_ROOT)) if spec.path.is_absolute() and REPO_ROOT in spec.path.parents else str(spec.path),
+                                       "spec_sha256": layers.sha256_file(spec.path), "registry": registry, "source_date_epoch": sde},
+                "resolvedDependencies": [
+                    {"name": "base", "uri": f"{base['name']}@{base['digest']}", "digest": {"sha256": base["digest"].split(":")[1]},
+                     **({"rootfs": {"file": base["rootfs_tar"], "sha256": base["rootfs_sha256"], "debootstrap": base["debootstrap"]}} if "rootfs_sha256" in base else {})},
+                    *({"name": f"wheel:{w['name']}", "uri": f"pypi:{w['name']}=={w['version']}", "file": w["file"], "digest": {"sha256": w["sha256"]}} for w in wheels),
+                    {"name": "sparkcache-wheel", "uri": f"file:{sc_wheel.name}", "version": sc_version, "digest": {"sha256": sc_wheel_sha}},
+                    {"name": "transform-lock", "uri": str(lock_path.relative_to(REPO_ROOT)), "digest": {"sha256": lock.sha256}},
+                    {"name": "source", "uri": labels["org.opencontainers.image.source"], "digest": {"gitCommit": revision}},
+                ],
+                "files": [{"file": f["file"], "pre": f["pre"], "post": f["post"], "transforms": f["transforms"]} for f in manifest["files"]],
+            },
+            "runDetails": {
+                "builder": {"id": "build.py", "version": {**engine_versions(client), "python": platform.python_version(), "transforms_lock": lock.sha256}},
+                "metadata": {"startedOn": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "finishedOn": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                             "timings": {**timings, "total_s": round(time.monotonic() - t_start, 1)}},
+                "byproducts": [
+                    {"name": "image-config", "digest": {"sha256": image.id.split(":")[1]}},
+                    {"name": "overlay-layer", "diff_id": rootfs[-1], "tar_sha256": overlay_sha},
+                    {"name": "layers", "diff_ids": rootfs},
+                    {"name": "wheels-stage", "image": wheels_tag},
+                    {"name": "size", "bytes": size},
+                ],
+            },
+        },
+        "labels": labels,
+    }
+    out = receipt_path or RECEIPTS / f"{spec.name}-{digest.split(':')[1]}.json"
+    dump_json(out, receipt)
+    if receipt_path:
+        dump_json(RECEIPTS / f"{spec.name}-{digest.split(':')[1]}.json", receipt)
+    progress(f"receipt {out}; image {size / 1e9:.2f} GB; total {time.monotonic() - t_start:.0f} s")
+    return ref
+
+
+def find_receipt(digest: str) -> Path | None:
+    hits = sorted(RECEIPTS.glob(f"*-{digest.split(':')[1]}.json"))
+    return hits[0] if hits else None
+
+
+def verify(ref: str, receipt_path: Path | None = None, pytest_args: list[str] | None = None) -> int:
+    repo, digest = split_ref(ref)
+    receipt_path = receipt_path or find_receipt(digest)
+    if receipt_path is None or not Path(receipt_path).exists():
+        raise BuildError(f"no build receipt for {digest} under {RECEIPTS}; fix: pass --receipt PATH (build.py writes one per build)")
+    client = engine()
+    t = time.monotonic()
+    progress(f"pulling {ref}")
+    image = pull_by_digest(client, ref)
+    progress(f"pulled in {time.monotonic() - t:.1f} s")
+    with tempfile.TemporaryDirectory(prefix="sparkcache-verify-") as tmp:
+        os.chmod(tmp, 0o755)
+        Path(tmp, "labels.json").write_text(json.dumps(image.attrs["Config"].get("Labels") or {}, indent=2))
+        Path(tmp, "receipt.json").write_text(Path(receipt_path).read_text())
+        Path(tmp, "image.json").write_text(json.dumps({"ref": ref, "digest": digest, "diff_ids": image.attrs["RootFS"]["Layers"], "image_id": image.id}))
+        cmd = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{CONTRACTS_DIR}/contracts", *(pytest_args or [])]
+        progress(f"running the contract suite in {ref} (network none)")
+        t = time.monotonic()
+        container = client.containers.create(ref, command=cmd, network_mode="none", working_dir=CONTRACTS_DIR,
+                                             volumes={tmp: {"bind": "/verify", "mode": "ro"}}, environment={"SPARKCACHE_VERIFY_DIR": "/verify"})
+        try:
+            container.start()
+            for chunk in container.logs(stream=True, follow=True):
+                sys.stderr.write(chunk.decode(errors="replace"))
+            status = container.wait()["StatusCode"]
+        finally:
+            container.remove(force=True)
+    progress(f"contract suite exited {status} after {time.monotonic() - t:.0f} s")
+    return status

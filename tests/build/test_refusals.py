@@ -1,0 +1,70 @@
+"""Refusals that need the engine: each exits 2 with a one-line reason."""
+
+from __future__ import annotations
+
+import uuid
+
+import yaml
+
+from images.builder import dockerenv
+from tests.build.conftest import REPO, build_py
+
+
+def test_unreachable_engine():
+    env = {"DOCKER_HOST": "unix:///tmp/sparkcache-no-such-engine.sock"}
+    run = build_py(env=env)
+    assert run.rc == 2 and "no Docker Engine answers at unix:///tmp/sparkcache-no-such-engine.sock" in run.reason
+    assert "fix:" in run.reason
+    run = build_py("verify", "127.0.0.1:5050/sparkcache/vllm-cpu@sha256:" + "0" * 64, "--receipt", str(REPO / "images" / "vllm-cpu.yaml"), env=env)
+    assert run.rc == 2 and "no Docker Engine answers" in run.reason
+
+
+def test_wheel_hash_mismatch(tmp_path, client):
+    raw = yaml.safe_load((REPO / "images" / "vllm-cpu.yaml").read_text())
+    i = next(i for i, w in enumerate(raw["wheels"]) if w.startswith("idna=="))
+    pin, good = raw["wheels"][i].split()
+    bad = "sha256:" + ("0" * 63 + "1")
+    raw["wheels"][i] = f"{pin} {bad}"
+    spec = tmp_path / "badhash.yaml"
+    spec.write_text(yaml.safe_dump(raw, sort_keys=False))
+    run = build_py("--spec", str(spec))
+    assert run.rc == 2, run.stderr
+    reason = run.reason
+    assert f"wheels[{i}] {pin}" in reason and good.split(":")[1] in reason and bad.split(":")[1] in reason, reason
+    assert run.stdout == ""
+
+
+def test_base_with_drifted_vllm_file_stops_the_build(tmp_path, client, built):
+    """A base whose installed vLLM differs from the lock's preimage: the build names the file and both hashes."""
+    host = built.ref.split("/")[0]
+    target = "/opt/venv/lib/python3.11/site-packages/vllm/v1/core/sched/scheduler.py"
+    container = client.containers.create(built.ref, command=["/bin/sh", "-c", f"echo '# drifted' >> {target}"], network_mode="none")
+    try:
+        container.start()
+        assert container.wait()["StatusCode"] == 0
+        repo = f"{host}/sparkcache/test-drifted-base"
+        tag = uuid.uuid4().hex[:8]
+        container.commit(repository=repo, tag=tag)
+    finally:
+        container.remove(force=True)
+    digest = dockerenv.push(client, repo, tag)
+    raw = yaml.safe_load((REPO / "images" / "vllm-cpu.yaml").read_text())
+    raw["base"] = {"image": f"{repo}@{digest}"}
+    raw["name"] = "test-drifted"
+    spec = tmp_path / "drifted.yaml"
+    spec.write_text(yaml.safe_dump(raw, sort_keys=False))
+    run = build_py("--spec", str(spec))
+    assert run.rc == 2, run.stderr
+    assert "vllm/v1/core/sched/scheduler.py" in run.reason and "preimage" in run.reason, run.reason
+    assert run.stdout == ""
+
+
+def test_push_to_stopped_registry_fails(client, built):
+    port = 5099
+    dockerenv.ensure_local_registry(port)
+    dockerenv.stop_local_registry(port)
+    assert not dockerenv.registry_answers(f"127.0.0.1:{port}")
+    run = build_py("--registry", f"127.0.0.1:{port}/sparkcache/vllm-cpu")
+    assert run.rc == 2, run.stderr
+    assert "push of 127.0.0.1:5099/" in run.reason and "failed" in run.reason, run.reason
+    assert run.stdout == ""
