@@ -6,9 +6,14 @@ the free until finished_sending; the next turn = prompt + reply + 32 tokens):
 
                               Mamba@64 retired   free-queue position after release    next turn
                               (ref 1 -> 0) at    checkpoint   attention blocks        per-group    local hit
-pristine                      computed=82        93           94..98 (0-15 at 98)     (80, 0)      0
-transformed, lease on         computed=82        98 (last)    93..97                  (80, 64)     64
+pristine                      computed=81        93           94..98 (0-15 at 98)     (80, 0)      0
+transformed, lease on         computed=81        98 (last)    93..97                  (80, 64)     64
   (held with ref 1 during the lease; 8 leased blocks: 6 attention, 1 Mamba, the checkpoint)
+
+The synchronous Scheduler retires the checkpoint when the first decode step is
+scheduled (computed 81 = 80 prompt tokens + the first sampled one); DESIGN.md's
+computed=82 counts one step later, as the asynchronous scheduler does, whose
+processed-token basis lags one in-flight token.
 
 Pressure = a real allocation of every free block queued ahead of the
 request's attention blocks (94 pristine, 93 transformed), so every attention
@@ -68,7 +73,7 @@ def leased(transformed_tree):
 
 def test_pristine_evicts_the_retired_checkpoint_first(pristine):
     case = pristine["checkpoint_eviction"]
-    assert case["checkpoint_retired_at_computed"] == 82  # the 2nd decode step
+    assert case["checkpoint_retired_at_computed"] == 81  # the first decode step (sync scheduler)
     assert case["during_lease"] == {
         "held": True,
         "checkpoint_ref_cnt": 0,
@@ -97,7 +102,7 @@ def test_pristine_leaks_without_report_and_asserts_on_a_late_one(pristine):
 
 def test_lease_holds_the_checkpoint_and_frees_it_last(leased):
     case = leased["checkpoint_eviction"]
-    assert case["checkpoint_retired_at_computed"] == 82
+    assert case["checkpoint_retired_at_computed"] == 81
     assert case["during_lease"] == {
         "held": True,
         "checkpoint_ref_cnt": 1,

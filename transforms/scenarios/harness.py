@@ -155,12 +155,12 @@ def step(
     if on_scheduled is not None:
         on_scheduled(out)
     req_ids = list(out.num_scheduled_tokens)
-    # Requests still in prefill produce no sampled token this step.
-    sampled = []
-    for rid in req_ids:
-        req = scheduler.requests[rid]
-        done = req.num_computed_tokens + out.num_scheduled_tokens[rid]
-        sampled.append([token_id] if done >= req.num_tokens else [])
+    # schedule() has already advanced num_computed_tokens by this step's chunk. A request
+    # whose chunk does not reach its last known token is mid-prefill and samples nothing.
+    sampled = [
+        [token_id] if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_tokens else []
+        for rid in req_ids
+    ]
     sending, recving = set(finished_sending), set(finished_recving)
     kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None) if (sending or recving) else None
     runner_out = ModelRunnerOutput(
