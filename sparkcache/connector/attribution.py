@@ -1,0 +1,82 @@
+"""Exact per-request attribution of prompt tokens: local hit, verified external, recomputed.
+
+The record describes the admission that completed the prompt's prefill (the path whose
+KV the first output token was computed from):
+
+- ``local_hit_tokens``: prompt tokens found in vLLM's local prefix cache at that admission;
+- ``external_tokens``: prompt tokens restored by sparkcache and *consumed* (the worker
+  reported the load finished without failure and the request was scheduled on them);
+- ``recomputed_tokens``: the rest of the prompt, computed by the model.
+
+The three sum to ``prompt_tokens``. A preemption before the prefill completes starts a new
+admission (counted in ``preemptions``); a failed restore is counted in ``failed_restores``
+and its tokens are recomputed. ``complete`` is False (with ``reason``) when the prefill
+never completed (aborted, or finished while a restore was in flight): then the numbers
+are those of the last admission and ``recomputed_tokens`` holds what was left to compute.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger("sparkcache.attribution")
+
+LOG_PREFIX = "sparkcache-attribution "
+
+
+@dataclass
+class AttributionRecord:
+    request_id: str
+    prompt_tokens: int
+    local_hit_tokens: int = 0
+    external_tokens: int = 0
+    recomputed_tokens: int = 0
+    complete: bool = False
+    reason: str = "not_admitted"
+    preemptions: int = 0
+    failed_restores: int = 0
+    admissions: int = 0
+    prefill_done: bool = field(default=False, repr=False)
+
+    def admit(self, computed_at_admission: int, consumed_external: int, *, resumed: bool = False) -> None:
+        """A (re-)admission that schedules tokens with ``computed_at_admission`` computed."""
+        if self.prefill_done:
+            return
+        if resumed:
+            self.preemptions += 1
+        p = self.prompt_tokens
+        computed = min(computed_at_admission, p)
+        external = min(max(consumed_external, 0), computed)
+        self.admissions += 1
+        self.local_hit_tokens = computed - external
+        self.external_tokens = external
+        self.recomputed_tokens = p - computed
+        self.reason = "prefill_running"
+
+    def mark_prefill_done(self) -> None:
+        if not self.prefill_done and self.admissions:
+            self.prefill_done = True
+            self.complete = True
+            self.reason = "ok"
+
+    def finish(self, status: str) -> "AttributionRecord":
+        if not self.prefill_done:
+            self.complete = False
+            if self.admissions == 0:
+                self.recomputed_tokens = self.prompt_tokens
+            self.reason = f"finished_before_prefill:{status}"
+        assert self.local_hit_tokens + self.external_tokens + self.recomputed_tokens == self.prompt_tokens
+        return self
+
+    def public(self) -> dict:
+        d = asdict(self)
+        d.pop("prefill_done")
+        return d
+
+
+def emit(record: AttributionRecord) -> str:
+    line = LOG_PREFIX + json.dumps(record.public(), sort_keys=True)
+    logger.info(line)
+    return line

@@ -1,0 +1,125 @@
+"""A bounded number of capture slots, drained by one publisher thread.
+
+The worker copies a finished request's pages out of the KV cache into a slot (so vLLM can
+free the blocks at once) and hands the slot to the publisher, which writes it to the
+store. When every slot is taken, or a capture is larger than one slot, the publication is
+skipped and counted: serving never waits for a slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+logger = logging.getLogger("sparkcache.capture")
+
+
+@dataclass
+class CaptureSlotStats:
+    queued: int = 0
+    published: int = 0
+    publish_failed: int = 0
+    skipped_slots_full: int = 0
+    skipped_too_large: int = 0
+
+
+class CaptureSlots:
+    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Any], Any],
+                 metrics: Any = None) -> None:
+        self.n_slots = n_slots
+        self.slot_bytes = slot_bytes
+        self._publish = publish
+        self._metrics = metrics
+        self._free = n_slots
+        self._lock = threading.Lock()
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._pending: dict[int, tuple[float, int]] = {}
+        self.stats = CaptureSlotStats()
+        self._seq = 0
+        self._idle = threading.Condition(self._lock)
+        self._thread = threading.Thread(target=self._run, name="sparkcache-publisher", daemon=True)
+        self._thread.start()
+
+    def try_acquire(self, nbytes: int) -> int | None:
+        """A slot ticket, or None (counted) when no slot is free or nbytes exceeds a slot."""
+        with self._lock:
+            if nbytes > self.slot_bytes:
+                self.stats.skipped_too_large += 1
+                return None
+            if self._free == 0:
+                self.stats.skipped_slots_full += 1
+                return None
+            self._free -= 1
+            self._seq += 1
+            self._pending[self._seq] = (time.monotonic(), nbytes)
+            self.stats.queued += 1
+        if self._metrics is not None:
+            self._metrics.publication_queued(self._seq, nbytes)
+        return self._seq
+
+    def submit(self, ticket: int, job: Any) -> None:
+        self._queue.put((ticket, job))
+
+    def cancel(self, ticket: int) -> None:
+        self._release(ticket)
+
+    def _release(self, ticket: int) -> None:
+        with self._lock:
+            self._pending.pop(ticket, None)
+            self._free += 1
+            self._idle.notify_all()
+        if self._metrics is not None:
+            self._metrics.publication_done(ticket)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            ticket, job = item
+            try:
+                result = self._publish(job)
+                ok = bool(getattr(result, "ok", result))
+            except Exception:  # a publication failure must never reach the serving path
+                logger.exception("sparkcache: publication failed")
+                ok = False
+            with self._lock:
+                if ok:
+                    self.stats.published += 1
+                else:
+                    self.stats.publish_failed += 1
+            self._release(ticket)
+
+    # ------------------------------------------------------------------ views
+
+    def in_use(self) -> int:
+        with self._lock:
+            return self.n_slots - self._free
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return sum(n for _, n in self._pending.values())
+
+    def oldest_age(self) -> float:
+        with self._lock:
+            return time.monotonic() - min(t for t, _ in self._pending.values()) if self._pending else 0.0
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every slot is free (shutdown and tests only; never on the serving path)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._free < self.n_slots:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.drain(timeout_s)
+        self._queue.put(None)
+        self._thread.join(timeout=5)

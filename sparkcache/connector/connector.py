@@ -1,0 +1,234 @@
+"""``SparkcacheConnector``: the class vLLM 0.32.0 loads (``KVConnectorBase_V1`` + ``SupportsHMA``).
+
+Settings come from ``kv_connector_extra_config`` (lower-case setting names) over the
+``SPARKCACHE_*`` environment (see ``sparkcache/settings.py``); keys of the scheduler
+transforms (``sparkcache_gpu_lease_seconds``, ...) are left to the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults,
+                                                               SupportsHMA)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from sparkcache.metrics import StoreMetrics
+from sparkcache.settings import SettingsError, load_settings
+from sparkcache.store import PageStore
+
+from .keys import make_identity
+from .scheduler_side import CapturePlan, LoadPlan, SchedulerSide
+from .stats import SparkcachePromMetrics, SparkcacheStats
+from .worker_side import WorkerSide
+
+logger = logging.getLogger("sparkcache.connector")
+
+_TRANSFORM_KEYS = ("sparkcache_gpu_lease_seconds", "sparkcache_prefer_local_prefix",
+                   "sparkcache_retain_decode_checkpoint", "sparkcache_drop_superseded_checkpoint")
+_FOREIGN_KEYS = ("shared_storage_path",)
+
+
+@dataclass
+class SparkcacheConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadPlan] = field(default_factory=list)
+    captures: list[CapturePlan] = field(default_factory=list)
+
+
+def _settings_from(vllm_config: Any):
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    ours = {k: v for k, v in extra.items()
+            if k not in _TRANSFORM_KEYS and k not in _FOREIGN_KEYS}
+    try:
+        return load_settings(extra_config=ours)
+    except SettingsError as exc:
+        raise SettingsError(f"sparkcache connector (kv_transfer_config.kv_connector_extra_config): {exc}") from None
+
+
+def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
+    mode = settings.access_mode if settings.enabled else "disabled"
+    if mode == "disabled":
+        return None  # no file I/O at all
+    if mode == "restore-only":
+        base = os.path.join(settings.root, settings.namespace)
+        if not os.path.isdir(os.path.join(base, "manifests")):
+            logger.warning("sparkcache: restore-only and %s holds no store; nothing to restore "
+                           "(restore-only never creates it)", base)
+            return None
+        # recover=False: restore-only never removes another writer's leftovers.
+        return PageStore.from_settings(settings, metrics=metrics, recover=False)
+    return PageStore.from_settings(settings, metrics=metrics)
+
+
+def _ensure_log_handler() -> None:
+    """Make ``sparkcache.*`` INFO lines (the attribution record) visible in vLLM's processes.
+
+    vLLM configures only its own ``vllm`` logger; in its engine-core process our loggers
+    would fall through to Python's last-resort handler (WARNING and above), dropping the
+    ``sparkcache-attribution`` lines. Only when nobody configured logging (no handler on
+    ``sparkcache`` nor on the root logger) do we attach one stderr handler at INFO.
+    """
+    base = logging.getLogger("sparkcache")
+    if base.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    base.addHandler(handler)
+    if base.level == logging.NOTSET:
+        base.setLevel(logging.INFO)
+
+
+class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _ensure_log_handler()
+        self.settings = _settings_from(vllm_config)
+        self.mode = self.settings.access_mode if self.settings.enabled else "disabled"
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._gauges_at = 0.0
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            identity, attention_only = make_identity(vllm_config, kv_cache_config, 0)
+            store = _open_store(self.settings, metrics=None)
+            self._sched = SchedulerSide(self.settings, identity, store, self.block_size,
+                                        attention_only, len(kv_cache_config.kv_cache_groups))
+        else:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                rank = get_tensor_model_parallel_rank()
+            except Exception:
+                rank = 0
+            identity, attention_only = make_identity(vllm_config, kv_cache_config, rank)
+            self.metrics = StoreMetrics(rank=str(rank))
+            store = _open_store(self.settings, metrics=self.metrics)
+            self._worker = WorkerSide(self.settings, identity, store, kv_cache_config,
+                                      attention_only, self.metrics)
+        logger.info("sparkcache connector: role=%s mode=%s root=%s", role.name, self.mode,
+                    self.settings.root or "-")
+
+    # best-effort cache: a dropped capture is a future miss, never a correctness issue
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ============================================================ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        loads, captures = self._sched.build_meta(scheduler_output)
+        return SparkcacheConnectorMetadata(loads, captures)
+
+    def on_new_request(self, request: Any) -> None:
+        if self._sched is not None:
+            self._sched.state(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, (list(block_ids),))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, tuple(list(b) for b in block_ids))
+
+    def has_pending_block_frees(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_block_frees()
+
+    def take_events(self) -> Iterable[Any]:
+        return ()  # sparkcache emits no KV cache events (stored entries are not GPU blocks)
+
+    @property
+    def attribution_records(self) -> list:
+        return self._sched.records if self._sched is not None else []
+
+    # ============================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SparkcacheConnectorMetadata)
+        for plan in meta.captures:
+            self._worker.capture(plan)
+        for plan in meta.loads:
+            self._worker.load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # captures happen once per finished request, from the blocks vLLM holds for us
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.take_results()
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # failures are reported per request (failed_recving): safe for hybrid layouts
+
+    def get_kv_connector_stats(self) -> SparkcacheStats | None:
+        stats = SparkcacheStats()
+        if self._sched is not None:
+            for k, v in self._sched.take_counters().items():
+                stats.add(k, v)
+            stats.set_gauge("pending_block_frees", len(self._sched.awaiting_send) +
+                            len(self._sched.awaiting_recv_free))
+        if self._worker is not None:
+            counters, _ = self._worker.counters, None
+            now = time.monotonic()
+            if now - self._gauges_at >= 1.0 or self._worker.counters:
+                counters, gauges = self._worker.take_stats()
+                self._gauges_at = now
+                for k, v in counters.items():
+                    stats.add(k, v)
+                for k, v in gauges.items():
+                    stats.set_gauge(k, v)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparkcacheStats:
+        return SparkcacheStats(data=dict(data)) if data else SparkcacheStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> SparkcachePromMetrics:
+        return SparkcachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

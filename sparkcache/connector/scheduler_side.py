@@ -1,0 +1,245 @@
+"""Scheduler half: offers, load plans, capture decisions, delayed frees and attribution.
+
+Per request it keeps one ``_ReqState``. The flow:
+
+- ``get_num_new_matched_tokens(request, n_local)``: the longest stored prefix for the
+  request's identity, in whole blocks, never the last prompt token; only what lies beyond
+  ``n_local`` is offered (with the prefer-local transform the scheduler passes the local
+  attention depth, so resident pages are never offered). Spans shorter than
+  ``min_span_tokens`` are not offered. Loads are asynchronous, so a failure can be
+  reported per request (``failed_recving``), which also works for hybrid models.
+- ``update_state_after_alloc``: a load plan (keys, first block, destination blocks).
+- ``build_connector_meta``: hands load and capture plans to the workers and records each
+  admission for attribution.
+- ``request_finished``: emits the attribution record; decides capture by access mode and
+  minimum span; delays the free (a lease with the lease transform) until the workers
+  copied the pages into a capture slot (``finished_sending``), or until an in-flight load
+  is reported (``finished_recving``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .attribution import AttributionRecord, emit
+from .keys import BlockKeys
+
+logger = logging.getLogger("sparkcache.connector")
+
+RESTORING_MODES = ("read-write", "restore-only")
+CAPTURING_MODES = ("read-write", "store-only")
+
+
+@dataclass
+class LoadPlan:
+    req_id: str
+    keys: list[str]           # keys of blocks [0, end_block)
+    start_block: int          # first block to place (blocks before it are local)
+    block_ids: list[list[int]]  # per KV group: destination block ids of [start_block, end_block)
+
+
+@dataclass
+class CapturePlan:
+    req_id: str
+    keys: list[str]           # keys of blocks [0, n_blocks)
+    reuse_pages: int          # leading pages an existing entry holds (published as None)
+    block_ids: list[list[int]]  # per KV group: source block ids of [reuse_pages*bpp, n_blocks)
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    keys: BlockKeys
+    record: AttributionRecord
+    last_query: tuple[int, int] = (0, 0)   # (n_local asked with, tokens offered)
+    load_plan: LoadPlan | None = None      # planned, not yet reported by the workers
+    load_tokens: int = 0
+    load_done_ok: int = 0                  # restored tokens reported ok, not yet consumed
+    restore_refused: bool = False
+    finished: bool = False
+
+
+@dataclass
+class SchedulerCounters:
+    data: dict = field(default_factory=dict)
+
+    def add(self, name: str, n: float = 1) -> None:
+        if n:
+            self.data[name] = self.data.get(name, 0) + n
+
+
+class SchedulerSide:
+    def __init__(self, settings: Any, identity: Any, store: Any, block_size: int,
+                 attention_only: bool, num_groups: int) -> None:
+        self.settings = settings
+        self.mode = settings.access_mode if settings.enabled else "disabled"
+        self.identity = identity
+        self.store = store
+        self.block_size = block_size
+        self.attention_only = attention_only
+        self.num_groups = num_groups
+        self.bpp = settings.page_blocks
+        self.reqs: dict[str, _ReqState] = {}
+        self.loads_to_send: list[LoadPlan] = []
+        self.captures_to_send: list[CapturePlan] = []
+        self.awaiting_send: set[str] = set()      # delayed frees owed by finished_sending
+        self.awaiting_recv_free: set[str] = set()  # finished while loading: owed by finished_recving
+        self.counters = SchedulerCounters()
+        self.records: list[AttributionRecord] = []  # finished records (bounded)
+
+    # ------------------------------------------------------------------ requests
+
+    def state(self, request: Any) -> _ReqState:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = _ReqState(request, BlockKeys(self.block_size),
+                           AttributionRecord(request.request_id, int(request.num_prompt_tokens)))
+            self.reqs[request.request_id] = st
+        return st
+
+    def _keys(self, st: _ReqState, n_blocks: int) -> list[str]:
+        return st.keys.upto(st.request.all_token_ids, n_blocks)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self.state(request)
+        if self.mode not in RESTORING_MODES or self.store is None or st.restore_refused:
+            st.last_query = (num_computed_tokens, 0)
+            return 0, False
+        bs = self.block_size
+        n_blocks = (request.num_tokens - 1) // bs  # never the last token
+        if n_blocks * bs <= num_computed_tokens:
+            st.last_query = (num_computed_tokens, 0)
+            return 0, False
+        keys = self._keys(st, n_blocks)
+        result = self.store.lookup(self.identity, keys)
+        offered = result.hit_blocks * bs - num_computed_tokens if result.hit else 0
+        if offered < max(1, self.settings.min_span_tokens):
+            offered = 0
+        st.last_query = (num_computed_tokens, offered)
+        return offered, offered > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        st = self.state(request)
+        local, offered = st.last_query
+        if offered != num_external_tokens:  # the scheduler reconciled to another boundary
+            logger.debug("sparkcache: %s allocated %d external tokens, last offer %d at %d",
+                         request.request_id, num_external_tokens, offered, local)
+        bs = self.block_size
+        start = local // bs
+        end = start + num_external_tokens // bs
+        group_ids = blocks.get_block_ids()
+        plan = LoadPlan(request.request_id, self._keys(st, end), start,
+                        [list(ids[start:end]) for ids in group_ids])
+        st.load_plan, st.load_tokens = plan, num_external_tokens
+        self.loads_to_send.append(plan)
+        self.counters.add("offered_tokens", num_external_tokens)
+
+    # ------------------------------------------------------------------ per step
+
+    def build_meta(self, scheduler_output: Any) -> tuple[list[LoadPlan], list[CapturePlan]]:
+        for new in scheduler_output.scheduled_new_reqs:
+            self._admitted(new.req_id, new.num_computed_tokens, scheduler_output, resumed=False)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            if req_id in resumed:
+                self._admitted(req_id, cached.num_computed_tokens[i], scheduler_output, resumed=True)
+            else:
+                self._progress(st, cached.num_computed_tokens[i], scheduler_output)
+        loads, captures = self.loads_to_send, self.captures_to_send
+        self.loads_to_send, self.captures_to_send = [], []
+        return loads, captures
+
+    def _admitted(self, req_id: str, num_computed: int, out: Any, resumed: bool) -> None:
+        st = self.reqs.get(req_id)
+        if st is None:
+            return
+        consumed = 0
+        if st.load_done_ok and num_computed >= st.load_done_ok:
+            consumed = st.load_done_ok  # the restore is consumed by this admission
+        st.load_done_ok = 0
+        st.record.admit(num_computed, consumed, resumed=resumed)
+        self._progress(st, num_computed, out)
+
+    def _progress(self, st: _ReqState, num_computed: int, out: Any) -> None:
+        scheduled = out.num_scheduled_tokens.get(st.request.request_id, 0)
+        if scheduled and num_computed + scheduled >= st.record.prompt_tokens:
+            st.record.mark_prefill_done()
+
+    def update_connector_output(self, output: Any) -> None:
+        failed = set(output.failed_recving or ())
+        for req_id in output.finished_recving or ():
+            st = self.reqs.get(req_id)
+            if req_id in self.awaiting_recv_free:
+                self.awaiting_recv_free.discard(req_id)
+                self.reqs.pop(req_id, None)
+                continue
+            if st is None or st.load_plan is None:
+                continue  # late or unknown: ignore
+            if req_id in failed:
+                st.restore_refused = True
+                st.record.failed_restores += 1
+                self.counters.add("restores_failed_sched")
+            else:
+                st.load_done_ok = st.load_tokens
+            st.load_plan, st.load_tokens = None, 0
+        for req_id in output.finished_sending or ():
+            self.awaiting_send.discard(req_id)
+
+    # ------------------------------------------------------------------ finish
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        st = self.state(request)
+        status = str(getattr(request.status, "name", request.status))
+        record = st.record.finish(status)
+        emit(record)
+        self.records.append(record)
+        del self.records[:-1024]
+        self.counters.add("attr_requests_complete" if record.complete else "attr_requests_incomplete")
+        self.counters.add("attr_local_hit_tokens", record.local_hit_tokens)
+        self.counters.add("attr_external_tokens", record.external_tokens)
+        self.counters.add("attr_recomputed_tokens", record.recomputed_tokens)
+        params = {"sparkcache": record.public()}
+        if st.load_plan is not None:
+            # A load is in flight into these blocks: keep them until the workers report it.
+            self.awaiting_recv_free.add(request.request_id)
+            return True, params
+        self.reqs.pop(request.request_id, None)
+        plan = self._capture_plan(st, request, block_ids)
+        if plan is None:
+            return False, params
+        self.captures_to_send.append(plan)
+        self.awaiting_send.add(request.request_id)
+        return True, params
+
+    def _capture_plan(self, st: _ReqState, request: Any, block_ids: tuple[list[int], ...]) -> CapturePlan | None:
+        if self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only:
+            return None
+        bs = self.block_size
+        n_blocks = min(request.num_computed_tokens, len(request.all_token_ids)) // bs
+        n_blocks = min(n_blocks, min(len(ids) for ids in block_ids) if block_ids else 0)
+        if n_blocks <= 0 or n_blocks * bs < self.settings.min_span_tokens:
+            return None
+        keys = self._keys(st, n_blocks)
+        found = self.store.lookup(self.identity, keys)
+        depth = found.hit_blocks if found.hit else 0
+        if depth >= n_blocks:
+            return None  # already stored
+        reuse_pages = depth // self.bpp
+        first = reuse_pages * self.bpp
+        return CapturePlan(request.request_id, keys, reuse_pages,
+                           [list(ids[first:n_blocks]) for ids in block_ids])
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self.awaiting_send or self.awaiting_recv_free)
+
+    def take_counters(self) -> dict:
+        data, self.counters.data = self.counters.data, {}
+        return data

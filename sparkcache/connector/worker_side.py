@@ -1,0 +1,216 @@
+"""Worker half: verified restores into vLLM's blocks, captures into bounded slots.
+
+Page format (one store object per page of ``page_blocks`` blocks): for every attention
+layer, in KV-group order and the group's layer order, the raw bytes of that layer's
+blocks of the page, block after block (``kv_caches[layer][block_id]``; vLLM 0.32.0 hands
+per-layer views with blocks at dim 0). A page whose size does not match this layout is
+refused like a corrupt one.
+
+Restores read and verify (sha256) every page they need before any byte is placed; a
+failure reports the request in ``finished_recving`` and ``failed_recving``, so with
+``kv_load_failure_policy="recompute"`` vLLM recomputes it; nothing is written into the
+KV cache. Hybrid models (non-attention groups): restores are refused and captures skipped
+(recurrent-state capture is not implemented on the worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from sparkcache.store.manifests import pages_needed
+from sparkcache.store.objects import ObjectError
+
+from .capture_slots import CaptureSlots
+
+logger = logging.getLogger("sparkcache.connector")
+
+
+@dataclass
+class _PublishJob:
+    keys: list[str]
+    pages: list[Any]
+
+
+class WorkerSide:
+    def __init__(self, settings: Any, identity: Any, store: Any, kv_cache_config: Any,
+                 attention_only: bool, metrics: Any = None) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.store = store
+        self.bpp = settings.page_blocks
+        self.attention_only = attention_only
+        self.group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        self.kv: dict[str, Any] = {}
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        self.counters: dict[str, float] = {}
+        self.slots = None
+        if store is not None and settings.access_mode in ("read-write", "store-only"):
+            self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
+                                      self._publish, metrics)
+
+    def _add(self, name: str, n: float = 1) -> None:
+        if n:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    # ------------------------------------------------------------------ setup
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.kv = {}
+        for layers in self.group_layers:
+            for name in layers:
+                t = kv_caches.get(name)
+                if t is None or not hasattr(t, "stride"):
+                    continue
+                self.kv[name] = t.view(__import__("torch").uint8)
+
+    def _layers(self, group: int) -> list[str]:
+        return [n for n in self.group_layers[group] if n in self.kv]
+
+    def _block_bytes(self, name: str) -> int:
+        t = self.kv[name]
+        return t[0].numel()
+
+    # ------------------------------------------------------------------ restore
+
+    def load(self, plan: Any) -> None:
+        ok = False
+        try:
+            ok = self._load(plan)
+        except Exception:
+            logger.exception("sparkcache: restore of %s failed", plan.req_id)
+        self.finished_recving.add(plan.req_id)
+        if ok:
+            self._add("restores_ok")
+            self._add("restored_tokens", sum(len(ids) for ids in plan.block_ids[:1]) *
+                      self.identity.block_size)
+        else:
+            self.failed_recving.add(plan.req_id)
+            self._add("restores_failed")
+
+    def _load(self, plan: Any) -> bool:
+        import torch
+
+        if self.store is None or not self.attention_only or not self.kv:
+            return False
+        end = len(plan.keys)
+        start = plan.start_block
+        found = self.store.lookup(self.identity, plan.keys)
+        if not found.hit or found.hit_blocks < end:
+            logger.warning("sparkcache: restore of %s refused: %s %s", plan.req_id,
+                           found.reason, found.detail)
+            return False
+        handle = found.handle
+        first_page, last_page = start // self.bpp, pages_needed(end, self.bpp)
+        refs = list(handle.pages[first_page:last_page])
+        try:
+            pages = self.store.objects.read_many_verified(refs)
+        except ObjectError as exc:
+            logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
+            if self.store.metrics is not None:
+                self.store.metrics._lookup_misses.labels(self.store.metrics.rank, exc.reason).inc()
+            return False
+        per_block = [self._block_bytes(n) for g in range(len(self.group_layers)) for n in self._layers(g)]
+        # Check every page's size before placing any byte.
+        spans = []
+        for k, page in enumerate(pages):
+            p = first_page + k
+            page_first = p * self.bpp
+            nblk = min((p + 1) * self.bpp, handle.block_count) - page_first
+            if len(page) != nblk * sum(per_block):
+                logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
+                               "expects %d", plan.req_id, p, len(page), nblk * sum(per_block))
+                return False
+            spans.append((page, page_first, nblk))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for page, page_first, nblk in spans:
+                lo, hi = max(start, page_first), min(end, page_first + nblk)
+                if lo >= hi:
+                    continue
+                src_all = torch.frombuffer(page, dtype=torch.uint8)
+                offset = 0
+                for g in range(len(self.group_layers)):
+                    ids = plan.block_ids[g][lo - start:hi - start]
+                    for name in self._layers(g):
+                        dst = self.kv[name]
+                        bb = dst[0].numel()
+                        layer_src = src_all[offset:offset + nblk * bb].view(nblk, *dst.shape[1:])
+                        offset += nblk * bb
+                        idx = torch.tensor(ids, dtype=torch.long, device=dst.device)
+                        dst[idx] = layer_src[lo - page_first:hi - page_first].to(dst.device)
+        return True
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self, plan: Any) -> None:
+        """Copy the pages out (the blocks are free-able afterwards) and queue the publication."""
+        self.finished_sending.add(plan.req_id)
+        if self.slots is None or not self.attention_only or not self.kv:
+            return
+        import torch
+
+        n = len(plan.keys)
+        first = plan.reuse_pages * self.bpp
+        layers = [(g, name) for g in range(len(self.group_layers)) for name in self._layers(g)]
+        nbytes = (n - first) * sum(self._block_bytes(name) for _, name in layers)
+        ticket = self.slots.try_acquire(nbytes)
+        if ticket is None:
+            return
+        try:
+            gathered = {}
+            for g, name in layers:
+                idx = torch.tensor(plan.block_ids[g], dtype=torch.long, device=self.kv[name].device)
+                gathered[name] = self.kv[name].index_select(0, idx).cpu()
+            pages: list[Any] = [None] * plan.reuse_pages
+            for p in range(plan.reuse_pages, pages_needed(n, self.bpp)):
+                lo, hi = p * self.bpp - first, min((p + 1) * self.bpp, n) - first
+                pages.append(b"".join(gathered[name][lo:hi].contiguous().numpy().tobytes()
+                                      for _, name in layers))
+        except Exception:
+            self.slots.cancel(ticket)
+            logger.exception("sparkcache: capture of %s failed", plan.req_id)
+            return
+        self.slots.submit(ticket, _PublishJob(list(plan.keys), pages))
+
+    def _publish(self, job: _PublishJob) -> Any:
+        result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp)
+        if not result.ok:
+            logger.warning("sparkcache: publication refused (%s): %s", result.reason, result.detail)
+        return result
+
+    # ------------------------------------------------------------------ results
+
+    def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        out = (self.finished_sending, self.finished_recving, self.failed_recving)
+        self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
+        return out
+
+    def take_stats(self) -> tuple[dict, dict]:
+        counters, self.counters = self.counters, {}
+        gauges: dict[str, float] = {}
+        if self.slots is not None:
+            s = self.slots.stats
+            for key, attr in (("captures_queued", "queued"), ("captures_published", "published"),
+                              ("captures_publish_failed", "publish_failed"),
+                              ("captures_skipped_slots_full", "skipped_slots_full"),
+                              ("captures_skipped_too_large", "skipped_too_large")):
+                value = getattr(s, attr)
+                last = getattr(self, "_last_" + attr, 0)
+                if value - last:
+                    counters[key] = counters.get(key, 0) + value - last
+                setattr(self, "_last_" + attr, value)
+            gauges.update(pending_slots=self.slots.in_use(), pending_bytes=self.slots.pending_bytes(),
+                          oldest_pending_age=self.slots.oldest_age(), slots_total=self.slots.n_slots)
+        if self.store is not None:
+            cap = self.store.capacity()
+            gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries)
+        return counters, gauges
+
+    def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()

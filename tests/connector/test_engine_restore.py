@@ -1,0 +1,105 @@
+"""End to end on the real CPU engine (vllm.LLM, prefix caching on), tiny offline model.
+
+One module-scoped sequence of engine lives on one store root, each in its own process
+(the engine is really shut down between them):
+
+1. connector absent: the reference greedy output;
+2. read-write, cold: the prompt (2,100 tokens) is computed and published;
+3. read-write after a restart: restored; external tokens == the stored reusable prefix
+   (from vLLM's own counters and from the attribution record); output identical;
+4. restore-only: restores, and the root's file list and bytes are unchanged;
+5. one byte of one stored object flipped, read-write: the restore is refused (nothing
+   placed), the request recomputes, the output is identical, the load-failure counter moved;
+6. disabled, pointed at a root that does not exist: it still does not exist afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import long_prompt, metric, run_engine, snapshot
+
+BLOCK = 32
+PROMPT = long_prompt(2100)
+REUSABLE = (len(PROMPT) - 1) // BLOCK * BLOCK  # whole blocks, never the last prompt token: 2080
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    base = {"model": tiny_model, "prompts": [PROMPT], "max_tokens": 16, "block_size": BLOCK}
+    out = {"root": root}
+    out["reference"] = run_engine({**base, "connector": "none"})
+    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64}}
+    out["cold"] = run_engine(rw)
+    out["after_cold_snapshot"] = snapshot(root)
+    out["restored"] = run_engine(rw)
+    before = snapshot(root)
+    out["restore_only"] = run_engine({**rw, "extra": {**rw["extra"], "access_mode": "restore-only"}})
+    out["restore_only_unchanged"] = before == snapshot(root)
+    out["restore_only_diff"] = sorted(set(before) ^ set(snapshot(root)))
+    objects = sorted(p for p in (root / "default" / "objects").rglob("*") if p.is_file())
+    victim = objects[len(objects) // 2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    out["victim"] = str(victim)
+    out["corrupt"] = run_engine(rw)
+    missing = root.parent / "never-created"
+    out["disabled_root"] = missing
+    out["disabled"] = run_engine({**rw, "extra": {"root": str(missing), "access_mode": "disabled"}})
+    return out
+
+
+def record(result: dict) -> dict:
+    return result["results"][0]["kv_transfer_params"]["sparkcache"]
+
+
+def test_cold_run_publishes_and_matches_reference(runs):
+    cold = runs["cold"]
+    assert cold["results"][0]["tokens"] == runs["reference"]["results"][0]["tokens"]
+    rec = record(cold)
+    assert (rec["local_hit_tokens"], rec["external_tokens"], rec["recomputed_tokens"]) == (0, 0, len(PROMPT))
+    manifests = [k for k in runs["after_cold_snapshot"] if k.startswith("default/manifests/") and k.count("/") == 3]
+    assert len(manifests) == 1, manifests
+
+
+def test_restart_restores_the_stored_prefix_with_identical_output(runs):
+    res = runs["restored"]
+    assert res["results"][0]["tokens"] == runs["reference"]["results"][0]["tokens"]
+    assert metric(res, "vllm:external_prefix_cache_hits") == REUSABLE
+    assert res["results"][0]["num_cached_tokens"] == REUSABLE
+    rec = record(res)
+    assert rec["complete"] and rec["external_tokens"] == REUSABLE
+    assert rec["local_hit_tokens"] + rec["external_tokens"] + rec["recomputed_tokens"] == len(PROMPT)
+    assert metric(res, "vllm:sparkcache_restored_tokens") == REUSABLE
+    assert metric(res, "vllm:sparkcache_attributed_tokens", source="external") == REUSABLE
+
+
+def test_restore_only_restores_and_writes_nothing(runs):
+    res = runs["restore_only"]
+    assert runs["restore_only_unchanged"], runs["restore_only_diff"]
+    assert record(res)["external_tokens"] == REUSABLE
+    assert res["results"][0]["tokens"] == runs["reference"]["results"][0]["tokens"]
+
+
+def test_flipped_byte_is_refused_and_recomputed(runs):
+    res = runs["corrupt"]
+    assert res["results"][0]["tokens"] == runs["reference"]["results"][0]["tokens"]
+    rec = record(res)
+    assert rec["external_tokens"] == 0 and rec["failed_restores"] == 1
+    assert rec["recomputed_tokens"] == len(PROMPT) and rec["complete"]
+    assert metric(res, "vllm:sparkcache_load_failures") == 1
+    assert metric(res, "vllm:sparkcache_restored_tokens") == 0
+    assert "refused, nothing placed" in res["log"] and "corrupt" in res["log"]
+
+
+def test_disabled_does_no_file_io_under_the_root(runs):
+    res = runs["disabled"]
+    assert not Path(runs["disabled_root"]).exists()
+    assert res["results"][0]["tokens"] == runs["reference"]["results"][0]["tokens"]
+    rec = record(res)
+    assert rec["recomputed_tokens"] == len(PROMPT) and rec["external_tokens"] == 0
