@@ -1,0 +1,305 @@
+"""One arm of Replay A, run in its own interpreter against one vLLM tree.
+
+    python -m bench.replay_a_sim CONFIG.json RESULT.json
+
+The ``vllm`` first on ``sys.path`` (pristine or the transformed tree) provides the real
+``Scheduler``, KV cache manager, block pool and hybrid coordinator. The model is synthetic:
+each scheduled request that reaches its end samples the next token of its turn's plan
+(reasoning tokens, then the reply). Time is a simulated clock advanced by a modelled cost
+per step; captures and restores finish on that clock (see ``bench.replay_a_connector``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import replay_a_connector as rc
+
+# arm -> (connector mode, kv_connector_extra_config keys, needs the transformed tree)
+ALL_KEYS = {
+    "sparkcache_prefer_local_prefix": True,
+    "sparkcache_retain_decode_checkpoint": True,
+    "sparkcache_drop_superseded_checkpoint": True,
+}
+
+
+def arm_spec(arm: str, lease_seconds: float) -> tuple[str, dict, bool]:
+    lease = {"sparkcache_gpu_lease_seconds": float(lease_seconds)}
+    specs = {
+        "read-write": ("read-write", {**lease, **ALL_KEYS}, True),
+        "read-write-untransformed": ("read-write", {}, False),
+        "read-write-transformed-off": ("read-write", {}, True),
+        "restore-only": ("restore-only", {**lease, **ALL_KEYS}, True),
+        "restore-only-untransformed": ("restore-only", {}, False),
+        "read-write-no-lease": ("read-write", dict(ALL_KEYS), True),
+        "read-write-no-prefer-local": ("read-write", {**lease, "sparkcache_retain_decode_checkpoint": True,
+                                                      "sparkcache_drop_superseded_checkpoint": True}, True),
+        "read-write-no-checkpoint": ("read-write", {**lease, "sparkcache_prefer_local_prefix": True}, True),
+    }
+    if arm not in specs:
+        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(specs)}")
+    return specs[arm]
+
+
+ARMS = ("read-write", "read-write-untransformed", "read-write-transformed-off", "restore-only",
+        "restore-only-untransformed", "read-write-no-lease", "read-write-no-prefer-local",
+        "read-write-no-checkpoint")
+
+
+def make_scheduler(cfg: dict, extra: dict):
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from transforms.scenarios.harness import tiny_model_config_dir
+
+    bs = cfg["block_size"]
+    num_blocks = cfg["kv_pool_tokens"] // bs
+    max_len = cfg["max_model_len"]
+    model_config = ModelConfig(model=tiny_model_config_dir(), dtype="float32", seed=0,
+                               skip_tokenizer_init=True, max_model_len=max_len)
+    vllm_config = VllmConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=cfg["max_num_batched_tokens"],
+                                         max_model_len=max_len, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False, watermark=0.0),
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True, mamba_cache_mode="align"),
+        kv_transfer_config=KVTransferConfig(kv_connector="ReplayConnector",
+                                            kv_connector_module_path="bench.replay_a_connector",
+                                            kv_role="kv_both", kv_connector_extra_config=dict(extra)),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["attn"], FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)),
+            KVCacheGroupSpec(["mamba"], MambaSpec(block_size=bs, shapes=((1, 1),), dtypes=(torch.float32,),
+                                                  mamba_cache_mode="align")),
+        ],
+        prefix_cache_retention_interval=0,  # production
+    )
+    register_all_kvcache_specs(vllm_config)
+    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=bs, hash_block_size=bs, log_stats=True)
+    scheduler._sparkcache_now = lambda: rc.CONTEXT.now  # leases run on the simulated clock
+    pool = scheduler.kv_cache_manager.block_pool
+    evict = pool._maybe_evict_cached_block
+
+    def counted_evict(block):  # diagnostic only: how many hashed blocks the workload's pressure evicted
+        evicted = evict(block)
+        rc.CONTEXT.evicted_cached_blocks += int(evicted)
+        return evicted
+
+    pool._maybe_evict_cached_block = counted_evict
+    return scheduler
+
+
+class Agent:
+    """One agent's conversation: each turn's prompt is the previous prompt + reply + tool result
+    (+ image placeholder tokens every ``image_every``-th turn); reasoning is never repeated."""
+
+    def __init__(self, idx: int, cfg: dict) -> None:
+        self.idx, self.cfg = idx, cfg
+        self.rng = random.Random(f"{cfg['seed']}/agent{idx}")
+        self.counter = 0
+        self.conv = -1
+        self.turn = 0
+        self.new_conversation()
+        lo, hi = cfg["turn_gap"]
+        self.next_arrival = self.rng.uniform(0, hi)
+        self.request = None
+        self.plan: list[int] = []
+
+    def fresh(self, n: int) -> list[int]:
+        base = (self.idx + 1) * 100_000_000
+        out = list(range(base + self.counter, base + self.counter + n))
+        self.counter += n
+        return out
+
+    def new_conversation(self) -> None:
+        lo, hi = self.cfg["start_tokens"]
+        self.conv += 1
+        self.turn_in_conv = 0
+        self.history = self.fresh(self.rng.randint(lo, hi))
+        self.start_len = len(self.history)
+
+    def make_request(self):
+        from transforms.scenarios.harness import make_request
+
+        cfg = self.cfg
+        reasoning, reply = self.fresh(cfg["reasoning_tokens"]), self.fresh(cfg["reply_tokens"])
+        # Default: the reply, then reasoning the next prompt drops (a trailing thinking block);
+        # --reasoning-first generates the reasoning before the reply.
+        self.plan = reasoning + reply if cfg.get("reasoning_first") else reply + reasoning
+        self.reply = reply
+        rid = f"a{self.idx}-t{self.turn}"
+        self.request = make_request(rid, self.history, len(self.plan), block_size=cfg["block_size"])
+        return self.request
+
+    def finish_turn(self, now: float) -> None:
+        cfg = self.cfg
+        reply = self.reply
+        tool = self.fresh(max(0, cfg["growth_tokens"] - cfg["reply_tokens"]))
+        self.turn += 1
+        self.turn_in_conv += 1
+        self.history = self.history + reply + tool
+        if cfg["image_every"] and self.turn % cfg["image_every"] == 0:
+            self.history += [3] * cfg["image_tokens"]  # an image's placeholder tokens
+        if len(self.history) - self.start_len >= cfg["new_conversation_after"]:
+            self.new_conversation()
+        self.request = None
+        lo, hi = cfg["turn_gap"]
+        self.next_arrival = now + self.rng.uniform(lo, hi)
+
+
+def run(cfg: dict) -> dict:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    from sparkcache.store import Identity, PageStore
+
+    arm = cfg["arm"]
+    mode, extra, _ = arm_spec(arm, cfg["lease_seconds"])
+    bs, scale = cfg["block_size"], cfg["token_scale"]
+    store_root = Path(tempfile.mkdtemp(prefix=f"replay-a-{arm}-", dir=cfg.get("store_dir")))
+    store = PageStore(str(store_root), max_bytes=1 << 40, low_watermark_bytes=1 << 39, lease_seconds=300.0)
+    identity = Identity("replay-a-hybrid", "attn+mamba-align", bs, 0, "vllm-0.32.0")
+    ctx = rc.ReplayContext(store=store, identity=identity, mode=mode, block_size=bs,
+                           kv_bytes_per_block=bs * scale * cfg["kv_bytes_per_token"],
+                           restore_bps=cfg["restore_bytes_per_s"], capture_bps=cfg["capture_bytes_per_s"])
+    rc.CONTEXT = ctx
+    scheduler = make_scheduler(cfg, extra)
+    ctx.scheduler = scheduler
+    agents = [Agent(i, cfg) for i in range(cfg["agents"])]
+    by_rid: dict[str, Agent] = {}
+    admitted: dict[str, dict] = {}
+    rows: list[dict] = []
+    prefill_s = scale * cfg["prefill_s_per_token"]
+    decode_step_s = scale * cfg["decode_s_per_token"]
+    restart_at = cfg.get("restart_at")
+    restarts, steps, peak_usage = 0, 0, 0.0
+
+    def on_scheduled(out) -> None:
+        for rid, agent in by_rid.items():
+            if rid in admitted:
+                continue
+            stats = agent.request.prefill_stats
+            if stats is None or stats.num_prompt_tokens == 0:
+                continue
+            admitted[rid] = {"local": stats.num_local_cached_tokens, "external": stats.num_external_cached_tokens,
+                             "at": ctx.now}
+
+    while True:
+        if restart_at is not None and ctx.now >= restart_at:
+            # A simulated engine restart: drain, then a fresh Scheduler (empty GPU cache), same store.
+            if not scheduler.has_requests() and ctx.next_event() is None and not by_rid:
+                scheduler = make_scheduler(cfg, extra)
+                ctx.scheduler = scheduler
+                restart_at, restarts = None, restarts + 1
+        draining = restart_at is not None and ctx.now >= restart_at
+        if not draining:
+            for agent in agents:
+                if agent.request is None and agent.next_arrival <= ctx.now and agent.next_arrival < cfg["duration"]:
+                    request = agent.make_request()
+                    by_rid[request.request_id] = agent
+                    scheduler.add_request(request)
+                    agent.arrived = agent.next_arrival
+        sending, recving = ctx.due()
+        if not (scheduler.has_requests() or sending or recving):
+            upcoming = [a.next_arrival for a in agents if a.request is None and a.next_arrival < cfg["duration"]]
+            event = ctx.next_event()
+            candidates = upcoming + ([event] if event is not None else [])
+            if not candidates:
+                break
+            ctx.now = max(ctx.now, min(candidates))
+            continue
+        out = scheduler.schedule()
+        on_scheduled(out)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled, prefill_tokens, decoding = [], 0, False
+        for rid in req_ids:
+            req = scheduler.requests[rid]
+            n = out.num_scheduled_tokens[rid]
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                prefill_tokens += n
+            else:
+                decoding = True
+            done = req.num_computed_tokens + n >= req.num_tokens
+            agent = by_rid[rid]
+            sampled.append([agent.plan[req.num_output_tokens]] if done else [])
+        kv_out = (KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None)
+                  if (sending or recving) else None)
+        runner_out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                       sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                       pooler_output=None, kv_connector_output=kv_out)
+        scheduler.update_from_output(out, runner_out)
+        steps += 1
+        peak_usage = max(peak_usage, scheduler.kv_cache_manager.usage)
+        step_s = prefill_tokens * prefill_s + (decode_step_s if decoding else 0.0)
+        if step_s == 0.0:
+            # Waiting on a restore or a capture: jump to the next event.
+            event = ctx.next_event()
+            upcoming = [a.next_arrival for a in agents if a.request is None and a.next_arrival < cfg["duration"]]
+            nxt = min([t for t in [event] + upcoming if t is not None], default=None)
+            if nxt is None or nxt <= ctx.now:
+                if not scheduler.has_requests():
+                    continue
+                raise RuntimeError(f"{arm}: scheduler stuck at t={ctx.now:.1f} with nothing to wait on")
+            ctx.now = nxt
+        else:
+            ctx.now += step_s
+        for rid in [r for r, a in by_rid.items() if RequestStatus.is_finished(a.request.status)]:
+            agent = by_rid.pop(rid)
+            rows.append(turn_row(cfg, arm, agent, rid, admitted.pop(rid), ctx, prefill_s, decode_step_s))
+            agent.finish_turn(ctx.now)
+    shutil.rmtree(store_root, ignore_errors=True)
+    return {"arm": arm, "rows": rows, "steps": steps, "restarts": restarts, "peak_kv_usage": peak_usage,
+            "captures": ctx.captures, "captured_bytes": ctx.captured_bytes,
+            "publish_failures": ctx.publish_failures, "sim_seconds": ctx.now,
+            "evicted_cached_blocks": ctx.evicted_cached_blocks}
+
+
+def turn_row(cfg, arm, agent, rid, adm, ctx, prefill_s, decode_step_s) -> dict:
+    bs = cfg["block_size"]
+    prompt = agent.request.num_prompt_tokens
+    local, ext = adm["local"], adm["external"]
+    snap = ctx.residency.pop(rid, {"attn_tokens": 0, "mamba_blocks": set()})
+    load = ctx.loads.pop(rid, {"seconds": 0.0, "read_ok": True})
+    end = local + ext
+    attn = snap["attn_tokens"]
+    avoidable = max(0, min(end, attn) - local) if ext else 0
+    if ext and end <= attn and end // bs not in snap["mamba_blocks"]:
+        # vLLM 0.32.0 cannot load a recurrent state without its block: the last block is needed.
+        avoidable = max(0, avoidable - bs)
+    rescued = bool(ext) and attn < end
+    recomputed = prompt - local - ext
+    decode_s = len(agent.plan) * decode_step_s
+    return {
+        "arm": arm, "agent": agent.idx, "conversation": agent.conv, "turn": agent.turn,
+        "turn_in_conversation": agent.turn_in_conv, "continuation": agent.turn_in_conv > 0,
+        "arrival_s": round(agent.arrived, 3), "admitted_s": round(adm["at"], 3),
+        "prompt_tokens": prompt, "local_tokens": local, "external_tokens": ext, "recomputed_tokens": recomputed,
+        "resident_attention_tokens": attn, "avoidable_external_tokens": avoidable, "rescued": rescued,
+        "state_reload": bool(ext) and not rescued, "restore_read_ok": load["read_ok"],
+        "latency_s": round(load["seconds"] + recomputed * prefill_s + decode_s, 3),
+        "recompute_latency_s": round(prompt * prefill_s + decode_s, 3),
+        "sim_latency_s": round(ctx.now - agent.arrived, 3),
+    }
+
+
+if __name__ == "__main__":
+    config = json.loads(Path(sys.argv[1]).read_text())
+    result = run(config)
+    import vllm.v1.core.sched.scheduler as sched_mod
+
+    result["scheduler_file"] = sched_mod.__file__
+    Path(sys.argv[2]).write_text(json.dumps(result))
