@@ -7,7 +7,7 @@ import uuid
 import yaml
 
 from images.builder import dockerenv
-from tests.build.conftest import REPO, build_py
+from tests.image_build.conftest import REPO, build_py
 
 
 def test_unreachable_engine():

@@ -7,7 +7,7 @@ import json
 import subprocess
 
 from images.builder import dockerenv
-from tests.build.conftest import build_py
+from tests.image_build.conftest import build_py
 
 
 def test_build_prints_one_reference_and_stages_on_stderr(built):

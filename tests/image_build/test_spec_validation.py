@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from images.builder.spec import SpecError, load
-from tests.build.conftest import REPO, build_py
+from tests.image_build.conftest import REPO, build_py
 
 CPU = REPO / "images" / "vllm-cpu.yaml"
 
