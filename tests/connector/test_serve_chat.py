@@ -1,0 +1,201 @@
+"""``vllm serve`` (OpenAI server, CPU, tiny offline model) with sparkcache in read-write.
+
+A 6-turn growing chat through ``/v1/chat/completions`` (greedy, small ``max_tokens``;
+the tiny model's tokenizer has a chat template, passed again with ``--chat-template`` from a
+file in the test's tmp dir). For every response:
+
+- ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``) equals
+  the attribution record's ``local_hit_tokens + external_tokens``; in one server life the
+  store never holds more than the local prefix cache, so ``external_tokens == 0`` and the
+  cached tokens are exactly the local hit;
+- the record comes back in the response's ``kv_transfer_params["sparkcache"]`` and sums to
+  ``usage.prompt_tokens``; the same record is in the server's output as the
+  ``sparkcache-attribution {json}`` log line (engine-core process).
+
+Not asserted yet: ``/metrics`` after the last turn. The connector's gauges and capture
+counters reach vLLM's stats only with a later engine step, so an idle server can show
+stale values (seen: ``capture_slots_total`` 0, ``captures_total{published}`` 0); see
+docs/CONNECTOR.md.
+
+The server runs in its own process group (engine processes ignore SIGTERM) which the
+fixture kills with SIGKILL in teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from .conftest import REPO
+
+BLOCK = 32
+TURNS = 6
+MAX_TOKENS = 8
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+WORDS = ("the cache holds a prefix of every prompt and the model reads it back when a new turn "
+         "of the same conversation arrives so only the new words are computed again by the engine "
+         "while the store keeps pages on disk").split()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode())
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    root = tmp / "store"
+    template = tmp / "chat_template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    port = _free_port()
+    kvt = {"kv_connector": "SparkcacheConnector", "kv_connector_module_path": "sparkcache.connector",
+           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": {"root": str(root), "access_mode": "read-write",
+                                         "min_span_tokens": 64}}
+    # ``vllm serve`` is ``vllm.entrypoints.cli.main``, which needs vLLM's package metadata
+    # (absent in this venv's build) only for its --version string; the server it starts is
+    # this module's, so run that directly with the same arguments.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
+           "--max-num-batched-tokens", "4096", "--enable-prefix-caching", "--seed", "0",
+           "--enable-prompt-tokens-details", "--chat-template", str(template),
+           "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(kvt)]
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), NO_PROXY="127.0.0.1",
+               no_proxy="127.0.0.1")
+    log_path = tmp / "server.log"
+    log = open(log_path, "w+")
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if p.poll() is not None:
+                raise AssertionError(f"vllm serve exited rc={p.returncode}:\n{log_path.read_text()[-8000:]}")
+            try:
+                if _get(base + "/health", timeout=2)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vllm serve not healthy in time:\n{log_path.read_text()[-8000:]}")
+            time.sleep(1.0)
+        yield {"base": base, "root": root, "log": log_path}
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        log.close()
+
+
+def _user_message(turn: int) -> str:
+    rng = random.Random(turn)
+    return " ".join(rng.choice(WORDS) for _ in range(60 + 10 * turn))
+
+
+@pytest.fixture(scope="module")
+def chat(server):
+    messages: list[dict] = [{"role": "system", "content": "you answer briefly"}]
+    turns = []
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": _user_message(turn)})
+        resp = _post(server["base"] + "/v1/chat/completions",
+                     {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS,
+                      "temperature": 0.0, "ignore_eos": True})
+        turns.append(resp)
+        messages.append({"role": "assistant", "content": resp["choices"][0]["message"]["content"] or ""})
+    # metrics: the last step's stats reach the frontend asynchronously; poll until they settle
+    want_requests = TURNS
+    text = ""
+    for _ in range(60):
+        text = _get(server["base"] + "/metrics")[1]
+        if (_sample(text, "vllm:sparkcache_attributed_requests_total", complete="true") >= want_requests
+                and _sample(text, "vllm:sparkcache_capture_slots_total") >= 1
+                and _sample(text, "vllm:sparkcache_entries") >= 1):
+            break
+        time.sleep(0.5)
+    return {"turns": turns, "metrics": text, "log": server["log"]}
+
+
+def _sample(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``; -1 when absent."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.match(r"^([^{\s]+)(\{([^}]*)\})?\s+(\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(4))
+            found = True
+    return total if found else -1.0
+
+
+def _record(resp: dict) -> dict:
+    ktp = resp.get("kv_transfer_params") or {}
+    assert "sparkcache" in ktp, f"no attribution record in the response: {resp}"
+    return ktp["sparkcache"]
+
+
+def test_each_turn_cached_tokens_match_the_attribution_record(chat):
+    hits = []
+    for i, resp in enumerate(chat["turns"]):
+        usage = resp["usage"]
+        rec = _record(resp)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        assert cached is not None, f"turn {i}: no prompt_tokens_details.cached_tokens: {usage}"
+        assert rec["complete"] and rec["reason"] == "ok", rec
+        assert rec["prompt_tokens"] == usage["prompt_tokens"], (i, rec, usage)
+        assert rec["local_hit_tokens"] + rec["external_tokens"] + rec["recomputed_tokens"] == rec["prompt_tokens"]
+        assert rec["external_tokens"] == 0, (i, rec)  # one server life: the store adds nothing
+        assert cached == rec["local_hit_tokens"], (i, cached, rec)
+        hits.append(cached)
+        print(f"turn {i}: prompt={usage['prompt_tokens']} cached={cached} record={rec}")
+    assert hits[0] == 0
+    assert all(h > 0 and h % BLOCK == 0 for h in hits[1:]), hits  # the growing chat hits locally
+    assert hits == sorted(hits), hits
+
+
+def test_attribution_log_lines_match_the_responses(chat):
+    lines = [json.loads(line.split("sparkcache-attribution ", 1)[1])
+             for line in chat["log"].read_text().splitlines() if "sparkcache-attribution {" in line]
+    assert lines, "no sparkcache-attribution log line in the server's output"
+    by_id = {r["request_id"]: r for r in lines}
+    for resp in chat["turns"]:
+        rec = _record(resp)
+        assert by_id.get(rec["request_id"]) == rec
+
