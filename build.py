@@ -3,6 +3,7 @@
 
   python build.py [--spec images/vllm-cpu.yaml] [--registry HOST:PORT/REPO] [--dry-run] [--no-cache] [--receipt PATH]
   python build.py verify REGISTRY/REPO@sha256:... [--receipt PATH]
+  python build.py pin-wheels --spec SPEC --python-version 3.N --glibc 2.N [--no-deps] [-r FILE] [--write]
 
 build: resolves every input to a digest (the base image: made with debootstrap and pushed, or named
 by digest in the spec; each wheel: downloaded into .cache/wheelhouse and sha256-checked; the
@@ -17,6 +18,9 @@ Timestamps come from SOURCE_DATE_EPOCH (default: the commit time of HEAD, or 0 w
 
 verify: pulls the reference by digest, runs the contract suite (contracts/) inside it with no
 network, and exits with the suite's exit status.
+
+pin-wheels: resolves the wheels an image needs for the image's Python and glibc (pip's resolver in
+report mode, nothing installed) and prints or writes the spec's 'NAME==VERSION sha256:...' lines.
 
 If no Docker Engine answers: on Debian as root, images/setup-docker.sh installs docker.io,
 docker-registry, debootstrap and skopeo and starts dockerd --bridge=none --iptables=false
@@ -54,12 +58,47 @@ def verify_parser() -> argparse.ArgumentParser:
     return p
 
 
+def pin_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python build.py pin-wheels",
+        description="resolve the wheels an image needs for ITS Python and glibc (pip's resolver, report mode: nothing "
+                    "installed) and print them as 'NAME==VERSION sha256:...' lines, or write them into the spec's wheels list")
+    p.add_argument("requirements", nargs="*", metavar="NAME==VERSION", help="what to resolve (default: the spec's vllm_distribution==vllm_version)")
+    p.add_argument("--spec", type=Path, default=REPO_ROOT / "images" / "vllm-cpu.yaml", help="the spec to pin (default: images/vllm-cpu.yaml)")
+    p.add_argument("-r", "--requirements-file", type=Path, help="also resolve every NAME==VERSION line of this file (e.g. requirements/cpu.lock)")
+    p.add_argument("--python-version", required=True, help="the image's Python, 3.N (Debian bookworm: 3.11; Ubuntu 24.04: 3.12)")
+    p.add_argument("--glibc", required=True, help="the image's glibc, 2.N (Debian bookworm: 2.36; Ubuntu 24.04: 2.39)")
+    p.add_argument("--no-deps", action="store_true", help="pin exactly the given requirements, not their dependency closure")
+    p.add_argument("--exclude", nargs="*", default=[], metavar="NAME", help="leave these out (e.g. triton on the CPU lane)")
+    p.add_argument("--write", action="store_true", help="replace the spec's wheels list in place instead of printing it")
+    return p
+
+
+def pin_wheels(args: argparse.Namespace) -> int:
+    from images.builder.pinning import requirements_from, resolve, rewrite_spec_wheels
+    from images.builder.spec import load
+
+    spec = load(args.spec)
+    reqs = list(args.requirements) + (requirements_from(args.requirements_file) if args.requirements_file else [])
+    pins = resolve(reqs or [f"{spec.vllm_distribution}=={spec.vllm_version}"], args.python_version, args.glibc,
+                   no_deps=args.no_deps, exclude=tuple(args.exclude))
+    if args.write:
+        rewrite_spec_wheels(args.spec, pins)
+        load(args.spec)  # the rewritten spec must still validate
+        print(f"{args.spec}: {len(pins)} wheels pinned", file=sys.stderr)
+    else:
+        print("\n".join(p.line for p in pins))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from images.builder.dockerenv import BuildError
     from images.builder.spec import SpecError
 
     try:
+        if argv[:1] == ["pin-wheels"]:
+            return pin_wheels(pin_parser().parse_args(argv[1:]))
         if argv[:1] == ["verify"]:
             args = verify_parser().parse_args(argv[1:])
             from images.builder.pipeline import verify

@@ -33,6 +33,10 @@ def test_cpu_spec_validates():
 def test_cuda_spec_validates_and_plans():
     spec = load(REPO / "images" / "vllm-cuda.yaml")
     assert spec.base_image and "@sha256:" in spec.base_image
+    versions = {w.name.lower(): w.version for w in spec.wheels}
+    # vllm's whole closure (pin-wheels for CPython 3.12 / glibc 2.39), CUDA torch with its nvidia-* libraries
+    assert versions["vllm"] == "0.32.0" and versions["torch"] == "2.13.0"
+    assert any(n.startswith("nvidia-") for n in versions) and len(versions) > 100
     run = build_py("--spec", "images/vllm-cuda.yaml", "--dry-run")
     assert run.rc == 0, run.stderr
     assert '"image": "' + spec.base_image in run.stdout
