@@ -4,7 +4,9 @@ growing-conversation publication, while a foreground loop measures its own step 
     python -m bench.replay_b --out DIR [--phase-seconds 10 --cycles 5 --max-bytes 256MiB]
 
 A child process (the "rank") runs a capture generator, a publisher thread (bounded capture
-slots, backlog gauges) and the store's MaintenanceThread. The parent is the foreground
+slots, backlog gauges) and the store's MaintenanceThread. Capture and publication (the
+CPU-heavy part) run at ``--nice`` (10); the maintenance thread at ``--maintenance-nice``
+(0, the rank's own), since its budget is wall time and its CPU use is a few ms per pass. The parent is the foreground
 ("serving lane"): each step does fixed CPU work plus a small file write/read, and records
 its latency. Phases alternate store-on / store-off (the child's capture, publication and
 maintenance stop entirely) so machine noise hits both modes alike.
@@ -69,8 +71,13 @@ def pages_for(keys: list[str], bpp: int, block_bytes: int) -> list[bytes]:
 
 # ----------------------------------------------------------------------------- the rank (child)
 
+def _nice_this_thread(nice: int) -> None:
+    """Capture and publication (the CPU-heavy part: page copies, sha256) run niced, as a
+    serving process would run them; the maintenance thread keeps ``--maintenance-nice``."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
 def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue") -> None:
-    os.nice(args.nice)
     store_root = os.path.join(args.out, "store")
     metrics = StoreMetrics()
     store = PageStore(store_root, max_bytes=args.max_bytes, low_watermark_bytes=args.low_bytes,
@@ -86,6 +93,7 @@ def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue"
     t_origin = time.time()
 
     def generator() -> None:
+        _nice_this_thread(args.nice)
         convs = [Conversation(i, args.start_blocks + 97 * i) for i in range(4)]
         next_id = 4
         while not stop.is_set():
@@ -106,6 +114,7 @@ def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue"
             time.sleep(args.turn_interval)
 
     def publisher() -> None:
+        _nice_this_thread(args.nice)
         while not stop.is_set():
             try:
                 item = slots.get(timeout=0.1)
@@ -150,7 +159,7 @@ def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue"
         cmd = control.get()
         if cmd == "on":
             maint_holder[0] = MaintenanceThread(
-                store, budget, args.interval, sweep_every_s=30.0, nice=0,
+                store, budget, args.interval, sweep_every_s=30.0, nice=args.maintenance_nice,
                 on_report=lambda r: reports.append(r)).start()
             active.set()
         elif cmd == "off":
@@ -227,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pass-entries", type=int, default=64)
     p.add_argument("--pass-bytes", type=parse_bytes, default=parse_bytes("64MiB"))
     p.add_argument("--interval", type=float, default=0.5, help="idle gap between passes (s)")
-    p.add_argument("--nice", type=int, default=10, help="niceness of the store's process")
+    p.add_argument("--nice", type=int, default=10,
+                   help="niceness of the rank's capture and publisher threads")
+    p.add_argument("--maintenance-nice", type=int, default=0,
+                   help="niceness of the maintenance thread (the rank's own: 0)")
     p.add_argument("--cpu-iters", type=int, default=60000)
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)
@@ -290,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                 [x["duration_s"] * 1e3 for x in evicting]) if evicting else 0.0,
             "passes_over_budget_plus_20pct": sum(d > args.pass_ms * 1.2 for d in durations),
             "max_pass_cpu_ms": max((x["cpu_ms"] for x in passes), default=0.0),
+            "max_pass_runqueue_wait_ms": max((x["runqueue_wait_ms"] for x in passes), default=0.0),
+            "pass_ms_p50_p90_p99": [pct(durations, q) for q in (0.5, 0.9, 0.99)] if durations else [],
             "median_pass_cpu_ms": statistics.median([x["cpu_ms"] for x in passes]) if passes else 0.0,
             "entries_evicted_total": sum(x["entries_evicted"] + x["entries_expired"] for x in passes),
             "bytes_reclaimed_total": sum(x["bytes_reclaimed"] for x in passes),
@@ -311,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "entries_expired", "bytes_reclaimed", "remaining_entries",
                                         "stopped_by", "used_bytes_before", "used_bytes_after",
                                         "deferred_objects", "lock_wait_ms", "cpu_ms", "plan_ms",
-                                        "fsync_ms")}
+                                        "fsync_ms", "units", "longest_unit_ms",
+                                        "runqueue_wait_ms")}
                      for x in passes],
         "gauges": child_data["samples"],
         "t_origin_child": child_data["t_origin"],

@@ -118,43 +118,53 @@ def open_nofollow(path: str) -> int:
     return fd
 
 
-_SYNC_POOL = None
+_POOLS: dict = {}
+_POOL_SIZES = {"io": 8, "maintenance": 16}  # maintenance: one unlink batch at once
 
 
-def _forget_pool_in_child() -> None:
-    # A forked child has none of the parent's threads: the pool must be rebuilt there.
-    global _SYNC_POOL
-    _SYNC_POOL = None
+def _forget_pools_in_child() -> None:
+    # A forked child has none of the parent's threads: the pools must be rebuilt there.
+    _POOLS.clear()
 
 
-os.register_at_fork(after_in_child=_forget_pool_in_child)
+os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
-def parallel_map(fn, items: list) -> list:
+def _executor(pool: str):
+    executor = _POOLS.get(pool)
+    if executor is None:
+        from concurrent.futures import ThreadPoolExecutor
+        executor = _POOLS[pool] = ThreadPoolExecutor(max_workers=_POOL_SIZES[pool],
+                                                     thread_name_prefix=f"sparkcache-{pool}")
+    return executor
+
+
+def parallel_imap(fn, items: list, pool: str = "io"):
+    """Submit ``fn(x)`` for every item now; yield the results in order as they finish, so
+    the caller can work on the first results while the pool computes the rest."""
+    return _executor(pool).map(fn, items)
+
+
+def parallel_map(fn, items: list, pool: str = "io") -> list:
     """``[fn(x) for x in items]``, on a small thread pool when there are several items.
-    For work that releases the GIL: fsync, reads, sha256 of large buffers."""
-    global _SYNC_POOL
+    For work that releases the GIL: fsync, reads, unlinks, sha256 of large buffers.
+    ``pool`` names the pool ("io" for publication and reads, "maintenance" for passes), so
+    a maintenance pass never queues behind a publication's hashing."""
     if len(items) <= 1:
         return [fn(x) for x in items]
-    if _SYNC_POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _SYNC_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sparkcache-io")
-    return list(_SYNC_POOL.map(fn, items))
+    return list(_executor(pool).map(fn, items))
 
 
-def sync_all(sync, fds: list) -> None:
+def sync_all(sync, fds: list, pool: str = "io") -> None:
     """Run ``sync`` (os.fsync / os.fdatasync / fsync_dir) on every item in parallel threads,
     so the filesystem can group them into one journal commit."""
-    parallel_map(sync, fds)
+    parallel_map(sync, fds, pool)
 
 
 _SYNC_FILE_RANGE = None
 
 
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing ``fd``'s dirty pages now (Linux sync_file_range
-    with SYNC_FILE_RANGE_WRITE; no durability promise, fdatasync still follows). A no-op
-    where it is unavailable."""
+def _sync_file_range():
     global _SYNC_FILE_RANGE
     if _SYNC_FILE_RANGE is None:
         try:
@@ -165,8 +175,26 @@ def start_writeback(fd: int) -> None:
             _SYNC_FILE_RANGE = fn
         except (OSError, AttributeError):
             _SYNC_FILE_RANGE = False
-    if _SYNC_FILE_RANGE:
-        _SYNC_FILE_RANGE(fd, 0, 0, 2)
+    return _SYNC_FILE_RANGE
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now (Linux sync_file_range
+    with SYNC_FILE_RANGE_WRITE; no durability promise, fdatasync still follows). A no-op
+    where it is unavailable."""
+    fn = _sync_file_range()
+    if fn:
+        fn(fd, 0, 0, 2)
+
+
+def wait_writeback(fd: int) -> None:
+    """Wait until ``fd``'s data written so far has reached the device (WAIT_BEFORE | WRITE |
+    WAIT_AFTER; still no durability promise: no metadata, no cache flush). Used to keep the
+    bytes in flight bounded, so other I/O (and unlinks that discard) queue behind at most
+    that much. A no-op where unavailable."""
+    fn = _sync_file_range()
+    if fn:
+        fn(fd, 0, 0, 7)
 
 
 def fsync_dir(path: str) -> None:

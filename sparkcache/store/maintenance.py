@@ -1,16 +1,19 @@
 """Maintenance: budgeted passes of TTL expiry, LRU eviction toward the low watermark and
 orphan collection, run on a background thread with a guaranteed idle gap between passes.
 
-One pass:
-  1. takes the exclusive gc lock (polled, within the pass's time budget);
+One pass (its budget is wall time, lock wait included; see ``pacing``: it plans to end by
+80% of the budget and starts a unit of work only when that unit's running cost estimate
+still fits):
+  1. takes the exclusive gc lock (polled, for at most 20% of the budget);
   2. reads live publications' intents, then re-lists manifests (nothing in flight is lost);
   3. plans: TTL-expired entries, then least-recently-used entries until the projected use
      is at or under the low watermark (only while above max, or still draining toward low);
      pinned entries are never planned;
-  4. evicts while the budget (entries, bytes, milliseconds) allows: manifests first, one
-     fsync of their directories, then the objects only they referenced (object by object,
-     so a large entry cannot overrun the time budget; what is left is deferred to the next
-     pass and still counted as used);
+  4. first finishes what earlier passes left (fsync, deferred objects), then evicts while
+     the budget (entries, bytes, milliseconds) allows: manifests first (parallel batches),
+     one fsync of their directories, then the objects only they referenced (parallel
+     batches of unlinks, so a large entry cannot overrun the time budget; what is left is
+     deferred to the next pass and still counted as used);
   5. with time left, sweeps a few object shards for objects no manifest or live
      publication references (crash leftovers, superseded tails).
 A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``.
@@ -25,9 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .layout import allocated, fsync_dir, sync_all
+from .layout import allocated, fsync_dir, parallel_map, sync_all
 from .locks import LockTimeout, exclusive_lock
+from .pacing import PassClock, runqueue_wait_s
 from .pins import live_pins
+from .results import CapacitySnapshot
 
 _SHARDS = [f"{i:02x}" for i in range(256)]
 
@@ -68,6 +73,9 @@ class PassReport:
     cpu_ms: float  # CPU time of the pass's thread: duration minus waiting and preemption
     plan_ms: float  # lock held: re-list manifests, read pins, plan
     fsync_ms: float
+    units: int = 0  # units of work run (batches of unlinks, fsync rounds, re-list, shards)
+    longest_unit_ms: float = 0.0  # wall time of the slowest unit
+    runqueue_wait_ms: float = 0.0  # the pass's thread runnable but without a CPU (preempted)
 
     @property
     def over_budget(self) -> bool:
@@ -88,10 +96,13 @@ class _Sweeper:
 
 def run_pass(store: Any, budget: PassBudget, *, sweep_shards: int = 16,
              now: float | None = None) -> PassReport:
+    """One budgeted pass (see the module docstring). Its ``duration_s`` is wall time from
+    the call to the return, lock wait included; the pass plans to end by 80% of the budget
+    and starts a unit of work only when its running cost estimate still fits."""
     started_wall = time.time() if now is None else now
-    t0 = time.monotonic()
+    clock = PassClock(store.unit_costs, budget.max_ms)
     cpu0 = time.thread_time()
-    deadline = t0 + budget.max_ms / 1000.0
+    runq0 = runqueue_wait_s()
     index = store.index
     metrics = store.metrics
     if metrics is not None:
@@ -101,75 +112,137 @@ def run_pass(store: Any, budget: PassBudget, *, sweep_shards: int = 16,
     fsync_s = lock_wait_s = plan_s = 0.0
     stopped_by = "done"
     try:
-        with exclusive_lock(store.layout.gc_lock_path, timeout_s=max(deadline - time.monotonic(), 0)):
-            lock_wait_s = time.monotonic() - t0
-            protected = store.locked_view_refresh()
-            with store._mutex:
-                index.refresh_recency()
-                pinned = live_pins(store.layout.pins_dir, started_wall, remove_expired=True)
-                used_before = index.used_bytes
-                if used_before > store.max_bytes:
-                    store.draining = True  # evict down to the low watermark, over several passes
-                plan = _plan(store, pinned, started_wall)
-                skipped = next(plan)
-            plan_s = time.monotonic() - t0 - lock_wait_s
-            # 1. finish what earlier passes left: fsync their manifest dirs (always: that is
-            #    the progress guarantee), delete their objects while time allows
+        with exclusive_lock(store.layout.gc_lock_path, timeout_s=clock.lock_timeout()):
+            lock_wait_s = time.monotonic() - clock.start
+            plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, started_wall))
+            plan_s = time.monotonic() - clock.start - lock_wait_s
+            protected = plan.protected
+            # 1. finish what earlier passes left: fsync their manifest dirs, then delete their
+            #    objects, each only when it is expected to fit
             if store.unsynced_dirs:
-                fsync_s += store.sync_dropped_locked()
-            deleted, _ = store.delete_deferred_locked(protected, deadline)
+                if clock.fits("fsync"):
+                    fsync_s += store.sync_dropped_locked(clock)
+                else:
+                    stopped_by = "time"
+            deleted, all_deleted = store.delete_deferred_locked(protected, clock)
             reclaimed += deleted
-            # 2. plan and drop manifests, oldest first, as the budget allows; keep time for
-            #    the fsync that must follow (but always make progress: one entry at least)
-            planned = 0
-            pending_item = None
-            for item in plan:
-                entry_id, est, expired = item
-                if evicted and time.monotonic() + store.fsync_cost_s >= deadline:
-                    stopped_by, pending_item = "time", item
-                    break
-                if evicted >= budget.max_entries:
-                    stopped_by, pending_item = "entries", item
-                    break
-                if evicted > 0 and planned + est > budget.max_bytes:
-                    stopped_by, pending_item = "bytes", item
-                    break
-                with store._mutex:
-                    reclaimed += store.drop_manifests_locked([entry_id])
-                planned += est
-                evicted += 1
-                expired_n += expired
-            if pending_item is not None:
-                remaining = 1 + _count_rest(plan, deadline + budget.max_ms / 10000.0)
+            if not all_deleted:
+                stopped_by = "time"
+            # 2. drop manifests, oldest first, a parallel batch at a time, while the batch
+            #    and the fsync that must follow it fit
+            if stopped_by == "done":
+                stopped_by, n, n_expired, freed, pending = _drop_planned(store, plan, budget, clock)
+                evicted += n
+                expired_n += n_expired
+                reclaimed += freed
+                if pending:
+                    remaining = 1 + _count_rest(plan.items, clock.work_deadline)
+            else:  # out of time on earlier work: the planned evictions are all still to do
+                remaining = _count_rest(plan.items, clock.work_deadline)
             # 3. make the drops durable, then delete the objects they freed
-            if store.unsynced_dirs and time.monotonic() + store.fsync_cost_s < deadline:
-                fsync_s += store.sync_dropped_locked()
-            deleted, all_deleted = store.delete_deferred_locked(protected, deadline)
+            if store.unsynced_dirs and clock.fits("fsync"):
+                fsync_s += store.sync_dropped_locked(clock)
+            deleted, all_deleted = store.delete_deferred_locked(protected, clock)
             reclaimed += deleted
-            if not all_deleted and stopped_by == "done":
+            if (not all_deleted or store.unsynced_dirs) and stopped_by == "done":
                 stopped_by = "time"
             # 4. orphan sweep with the time left
-            if stopped_by == "done":
-                orphans, orphan_bytes, swept = _sweep(store, protected, deadline, sweep_shards)
+            if stopped_by == "done" and sweep_shards > 0:
+                orphans, orphan_bytes, swept, sweep_fsync_s = _sweep(store, protected, clock,
+                                                                     sweep_shards)
+                fsync_s += sweep_fsync_s
                 if swept < sweep_shards:
                     stopped_by = "time"
     except LockTimeout:
         stopped_by = "lock"
+    clock.finish()
     with store._mutex:
         used_after = index.used_bytes
         store.draining = store.draining and used_after > store.low_watermark_bytes
         entries_after = len(index.entries)
         deferred = len(index.deferred)
-    report = PassReport(started_wall, time.monotonic() - t0, budget.max_ms, evicted - expired_n,
-                        expired_n, reclaimed + orphan_bytes, orphans, orphan_bytes, swept, skipped,
-                        remaining, deferred, stopped_by, used_before, used_after, store.max_bytes,
-                        store.low_watermark_bytes, entries_after, lock_wait_s * 1e3,
-                        (time.thread_time() - cpu0) * 1e3, plan_s * 1e3,
-                        fsync_s * 1e3)
+        snapshot = CapacitySnapshot(entries_after, used_after, store.max_bytes,
+                                    store.low_watermark_bytes, len(index.bad))
+    report = PassReport(started_wall, time.monotonic() - clock.start, budget.max_ms,
+                        evicted - expired_n, expired_n, reclaimed + orphan_bytes, orphans,
+                        orphan_bytes, swept, skipped, remaining, deferred, stopped_by, used_before,
+                        used_after, store.max_bytes, store.low_watermark_bytes, entries_after,
+                        lock_wait_s * 1e3, (time.thread_time() - cpu0) * 1e3, plan_s * 1e3,
+                        fsync_s * 1e3, clock.units, clock.longest_unit_s * 1e3,
+                        (runqueue_wait_s() - runq0) * 1e3)
     if metrics is not None:
         metrics.on_pass(report)
-        metrics.on_capacity(store.capacity())
+        metrics.on_capacity(snapshot)
     return report
+
+
+@dataclass
+class _Plan:
+    protected: set[str]  # digests named by live publications
+    items: Any  # the ``_plan`` generator, past its first value
+
+
+def _locked_plan(store: Any, now: float) -> tuple[_Plan, int, int]:
+    """Under the exclusive lock: live intents, re-listed manifests, recency, pins, the plan.
+    Returns (plan, pinned entries skipped, used bytes before the pass)."""
+    protected = store.locked_view_refresh()
+    with store._mutex:
+        store.index.refresh_recency()
+        pinned = live_pins(store.layout.pins_dir, now, remove_expired=True)
+        used_before = store.index.used_bytes
+        if used_before > store.max_bytes:
+            store.draining = True  # evict down to the low watermark, over several passes
+        items = _plan(store, pinned, now)
+        skipped = next(items)
+    return _Plan(protected, items), skipped, used_before
+
+
+def _drop_planned(store: Any, plan: _Plan, budget: PassBudget, clock: PassClock):
+    """Drop planned manifests in parallel batches within the budget. Returns (stopped_by,
+    entries dropped, of them expired, manifest bytes, whether planned work is left)."""
+    evicted = expired_n = reclaimed = 0
+    planned_bytes = 0
+    pending = None
+    stopped_by = "done"
+    costs = clock.costs.estimate
+    while True:
+        # a batch starts only if it, the fsync after it and one object unlink still fit
+        reserve = costs.get("fsync", 0.0) + costs.get("unlink_batch", 0.0)
+        if not clock.fits("unlink_batch", reserve=reserve):
+            clock.skipped.add("fsync")
+            stopped_by = "time"
+            pending = pending if pending is not None else next(plan.items, None)
+            break
+        paths = []
+        while len(paths) < _DROP_BATCH:
+            item = pending if pending is not None else next(plan.items, None)
+            pending = None
+            if item is None:
+                break
+            entry_id, est, expired = item
+            if paths and not clock.fits("unlink_batch", reserve=reserve):
+                stopped_by, pending = "time", item  # forgetting entries costs CPU too
+                break
+            if evicted >= budget.max_entries:
+                stopped_by, pending = "entries", item
+                break
+            if evicted > 0 and planned_bytes + est > budget.max_bytes:
+                stopped_by, pending = "bytes", item
+                break
+            path, nbytes, _ = store.forget_entry_locked(entry_id)
+            if path is not None:
+                paths.append(path)
+                reclaimed += nbytes
+            planned_bytes += est
+            evicted += 1
+            expired_n += expired
+        store.unlink_paths(paths, clock)
+        if stopped_by != "done" or len(paths) < _DROP_BATCH:
+            break
+    return stopped_by, evicted, expired_n, reclaimed, pending is not None
+
+
+_DROP_BATCH = 16  # manifests unlinked in parallel as one unit
 
 
 def _plan(store: Any, pinned: set[str], now: float):
@@ -223,35 +296,47 @@ def _count_rest(plan, until: float) -> int:
     return count
 
 
-def _sweep(store: Any, protected: set[str], deadline: float, n_shards: int) -> tuple[int, int, int]:
-    """Delete unreferenced objects in up to ``n_shards`` shards while time allows."""
+def _sweep(store: Any, protected: set[str], clock: PassClock,
+           n_shards: int) -> tuple[int, int, int, float]:
+    """Delete unreferenced objects in up to ``n_shards`` shards while time allows.
+    Returns (objects deleted, bytes freed, shards swept, seconds spent in fsync)."""
     sweeper = store.__dict__.setdefault("_sweeper", _Sweeper())
     count = freed = swept = 0
-    if store.unsynced_dirs or n_shards <= 0:
-        return 0, 0, 0
+    if store.unsynced_dirs or not clock.fits("fsync"):
+        return 0, 0, 0, 0.0
     # Another process's manifest unlinks must be durable before their objects go.
     dirs = [os.path.join(store.layout.manifests_dir, d) for d in os.listdir(store.layout.manifests_dir)]
-    if time.monotonic() + store.fsync_cost_s * 2 >= deadline:
-        return 0, 0, 0
-    sync_all(fsync_dir, [d for d in dirs if os.path.isdir(d)])
-    shard_cost = 0.0
+    t0 = time.monotonic()
+    clock.run("fsync", lambda: sync_all(fsync_dir, [d for d in dirs if os.path.isdir(d)],
+                                        "maintenance"))
+    fsync_s = time.monotonic() - t0
     for _ in range(n_shards):
-        t_shard = time.monotonic()
-        if t_shard + shard_cost >= deadline:
+        if not clock.fits("shard"):
             break
         shard = sweeper.take(1)[0]
         swept += 1
-        for digest, size in store.objects.iter_shard(shard):
-            if digest in store.index.refcount or digest in protected or digest in store.index.deferred:
-                continue
-            try:
-                os.unlink(os.path.join(store.layout.objects_dir, shard, digest[2:]))
-                count += 1
-                freed += allocated(size, store.index.alloc_unit)
-            except (FileNotFoundError, IsADirectoryError):
-                pass
-        shard_cost = max(shard_cost, time.monotonic() - t_shard)
-    return count, freed, swept
+        garbage = clock.run("shard", lambda: _sweep_shard(store, shard, protected))
+        count += len(garbage)
+        freed += sum(allocated(size, store.index.alloc_unit) for size in garbage)
+    return count, freed, swept, fsync_s
+
+
+def _sweep_shard(store: Any, shard: str, protected: set[str]) -> list[int]:
+    """Unlink (in parallel) the unreferenced objects of one shard; returns their sizes."""
+    garbage = [(digest, size) for digest, size in store.objects.iter_shard(shard)
+               if digest not in store.index.refcount and digest not in protected
+               and digest not in store.index.deferred]
+    paths = [os.path.join(store.layout.objects_dir, shard, digest[2:]) for digest, _ in garbage]
+    done = parallel_map(_unlink_counted, paths, "maintenance")
+    return [size for (_, size), ok in zip(garbage, done) if ok]
+
+
+def _unlink_counted(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except (FileNotFoundError, IsADirectoryError):
+        return False
 
 
 def pass_due(store: Any, now: float | None = None) -> bool:
@@ -271,10 +356,14 @@ def pass_due(store: Any, now: float | None = None) -> bool:
 class MaintenanceThread:
     """Runs passes off the caller's thread: at most one pass per ``interval_s`` (the gap is
     measured from the end of one pass to the start of the next, so a store that is always
-    full still leaves the machine idle for ``interval_s`` between passes)."""
+    full still leaves the machine idle for ``interval_s`` between passes).
+
+    ``nice`` is the thread's own niceness (None: inherit the process's). A pass's budget is
+    wall time, so a thread niced below a saturated CPU waits for the CPU at every blocking
+    call; see docs/SIZING.md before raising it."""
 
     def __init__(self, store: Any, budget: PassBudget, interval_s: float, *,
-                 sweep_every_s: float = 30.0, nice: int = 10,
+                 sweep_every_s: float = 30.0, nice: int | None = 10,
                  on_report: Callable[[PassReport], None] | None = None,
                  keep_reports: int = 10000) -> None:
         self.store = store
@@ -307,11 +396,11 @@ class MaintenanceThread:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        if self.nice:
+        if self.nice is not None:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
             except (OSError, AttributeError):
-                pass
+                pass  # lowering niceness needs CAP_SYS_NICE: the thread keeps the process's
         last_end = -float("inf")
         last_sweep = time.monotonic()
         try:

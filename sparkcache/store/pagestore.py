@@ -19,10 +19,12 @@ from typing import Any, Sequence
 
 from .identity import BlockHash, Identity, block_keys, entry_id_for
 from .index import EntryIndex, IndexedEntry
-from .layout import StoreLayout, allocated, fsync_dir, parallel_map, sync_all, write_file_durably
+from .layout import StoreLayout, allocated, fsync_dir, parallel_map, sync_all
 from .locks import LockTimeout, exclusive_lock, shared_lock
 from .manifests import Manifest, PageRef, encode, pages_needed
-from .objects import ObjectError, ObjectStore, digest_of
+from .objects import ObjectError, ObjectStore
+from .pacing import UnitCosts
+from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
 from .results import (ABSENT, BASE_ABSENT, HIT, IO_ERROR, NO_SPACE, NOT_FOUND, OVER_CAPACITY,
                       PUBLISHED, CapacitySnapshot, EntryHandle, LookupResult, PublishResult,
@@ -50,7 +52,7 @@ class PageStore:
         self.last_recovery: RecoveryReport | None = None
         self.draining = False  # above max once; evicting until at or under the low watermark
         self.unsynced_dirs: set[str] = set()  # manifest dirs with unlinks not yet fsynced
-        self.fsync_cost_s = 0.01  # recent cost of that fsync, so a pass can plan around it
+        self.unit_costs = UnitCosts()  # what maintenance's units of work recently cost
         if recover:
             self.recover()
         else:
@@ -113,25 +115,16 @@ class PageStore:
                 reused_refs = self._resolve_missing_pages(idd, keys, bpp, pages)
             except LookupError as exc:
                 return self._failed(BASE_ABSENT, started, entry_id, str(exc))
-        refs: list[PageRef] = []
-        data_by_digest: dict[str, bytes | memoryview] = {}
-        given = [p for p in pages if p is not None]
-        digests = iter(parallel_map(digest_of, given) if sum(map(len, given)) > _PARALLEL_HASH_BYTES
-                       else [digest_of(p) for p in given])
-        for i, page in enumerate(pages):
-            if page is None:
-                refs.append(reused_refs[i])
-            else:
-                digest = next(digests)
-                refs.append(PageRef(digest, len(page)))
-                data_by_digest[digest] = page
-        manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time())
         staging = Staging(self.layout.staging_dir)
+        writer = PublicationWriter(self, staging)
         try:
             staging.open()
-            written, bytes_written, reused = self._write_objects(staging, refs, data_by_digest)
-            self._write_manifest(staging, manifest)
-        except _BaseAbsent as exc:
+            refs = writer.write_pages(pages, reused_refs)
+            manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time())
+            writer.commit(staging.temp_path("manifest"),
+                          encode(manifest), self.layout.manifest_path(idd, entry_id),
+                          lambda: self._make_identity_dir(idd))
+        except BaseObjectGone as exc:
             return self._failed(BASE_ABSENT, started, entry_id, str(exc))
         except OSError as exc:
             reason = NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else IO_ERROR
@@ -139,7 +132,10 @@ class PageStore:
                    "below its free space" if reason == NO_SPACE else "check the store directory")
             return self._failed(reason, started, entry_id, f"{exc}; {fix}")
         finally:
+            writer.close()
             staging.close()
+        written = sum(1 for r in refs if r.digest in writer.written_digests)
+        bytes_written = writer.bytes_written
         with self._mutex:
             self.index.load(idd, entry_id)
         superseded = self._supersede_shorter(idd, keys)
@@ -167,37 +163,14 @@ class PageStore:
             out[i] = entry.manifest.pages[i]
         return out
 
-    def _write_objects(self, staging: Staging, refs: list[PageRef],
-                       data_by_digest: dict[str, Any]) -> tuple[int, int, int]:
-        unique = {r.digest: r for r in refs}
-        with shared_lock(self.layout.gc_lock_path):
-            staging.declare(unique)
-            missing = [r for r in unique.values()
-                       if not self.objects.exists_with_size(r.digest, r.size)]
-        batch = []
-        for ref in missing:
-            data = data_by_digest.get(ref.digest)
-            if data is None:
-                raise _BaseAbsent(f"object {ref.digest} of the stored prefix is gone (evicted or "
-                                  "deleted); publish again with its bytes")
-            batch.append((ref.digest, data, staging.temp_path(ref.digest)))
-        bytes_written = 0
-        for start in range(0, len(batch), _WRITE_BATCH):
-            chunk = batch[start:start + _WRITE_BATCH]
-            sync_all(fsync_dir, sorted(self.objects.write_many(chunk)))
-            bytes_written += sum(len(data) for _, data, _ in chunk)
-        written_digests = {r.digest for r in missing}
-        written_pages = sum(1 for r in refs if r.digest in written_digests)
-        return written_pages, bytes_written, len(refs) - written_pages
-
-    def _write_manifest(self, staging: Staging, manifest: Manifest) -> None:
-        idir = self.layout.identity_dir(manifest.identity_digest)
-        if not os.path.isdir(idir):
-            os.makedirs(idir, exist_ok=True)
-            fsync_dir(self.layout.manifests_dir)
-        final = self.layout.manifest_path(manifest.identity_digest, manifest.entry_id)
-        write_file_durably(staging.temp_path("manifest"), final, encode(manifest))
-        fsync_dir(idir)
+    def _make_identity_dir(self, idd: str) -> list[str]:
+        """Create the identity's manifest directory if needed; returns the directories to
+        fsync before a manifest is renamed into it (its parent, when it is new)."""
+        idir = self.layout.identity_dir(idd)
+        if os.path.isdir(idir):
+            return []
+        os.makedirs(idir, exist_ok=True)
+        return [self.layout.manifests_dir]
 
     def _supersede_shorter(self, idd: str, keys: list[str]) -> tuple[str, ...]:
         """Evict entries that the new one extends (their blocks are all in it), unless pinned.
@@ -327,63 +300,95 @@ class PageStore:
     def evict_locked(self, entry_ids: Sequence[str], protected: set[str]) -> int:
         """Evict entries completely: manifests, fsync, then the objects only they referenced.
         Returns bytes reclaimed. Caller holds the exclusive gc lock and has refreshed the
-        index with ``force=True`` after reading ``protected`` (see ``locked_view_refresh``)."""
-        reclaimed = self.drop_manifests_locked(entry_ids)
+        index with ``force=True`` after reading ``protected`` (see ``locked_view_refresh``).
+        Deletes only these entries' objects; older deferred work is maintenance's."""
+        reclaimed, freed = 0, set()
+        for entry_id in entry_ids:
+            path, nbytes, digests = self.forget_entry_locked(entry_id)
+            if path is not None:
+                reclaimed += nbytes
+                freed.update(digests)
+                _unlink_quietly(path)
         self.sync_dropped_locked()
-        deleted, _ = self.delete_deferred_locked(protected)
+        deleted, _ = self.delete_deferred_locked(protected, only=freed)
         return reclaimed + deleted
 
-    def drop_manifests_locked(self, entry_ids: Sequence[str]) -> int:
-        """Unlink manifests (not yet fsynced) and defer the objects they alone referenced.
-        Returns the manifests' bytes."""
-        reclaimed = 0
-        with self._mutex:
-            for entry_id in entry_ids:
-                entry = self.index.entries.get(entry_id)
-                if entry is None:
-                    continue
-                try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:
-                    pass
-                self.unsynced_dirs.add(os.path.dirname(entry.path))
-                reclaimed += allocated(entry.manifest_bytes, self.index.alloc_unit)
-                sizes = {p.digest: p.size for p in entry.manifest.pages}
-                for digest in self.index.remove(entry_id):
-                    self.index.deferred[digest] = sizes[digest]
+    def drop_manifests_locked(self, entry_ids: Sequence[str], clock: Any = None) -> int:
+        """Unlink manifests (not yet fsynced; in parallel) and defer the objects they alone
+        referenced. Returns the manifests' bytes. With ``clock`` (a ``PassClock``) the
+        unlinks are timed as one unit."""
+        reclaimed, paths = 0, []
+        for entry_id in entry_ids:
+            path, nbytes, _ = self.forget_entry_locked(entry_id)
+            if path is not None:
+                paths.append(path)
+                reclaimed += nbytes
+        self.unlink_paths(paths, clock)
         return reclaimed
 
-    def sync_dropped_locked(self) -> float:
+    def forget_entry_locked(self, entry_id: str) -> tuple[str | None, int, list[str]]:
+        """Remove an entry from the view and mark its manifest's directory unsynced; the
+        caller unlinks the returned path. Returns (path, manifest bytes, deferred digests)."""
+        with self._mutex:
+            entry = self.index.entries.get(entry_id)
+            if entry is None:
+                return None, 0, []
+            self.unsynced_dirs.add(os.path.dirname(entry.path))
+            sizes = {p.digest: p.size for p in entry.manifest.pages}
+            freed = self.index.remove(entry_id)
+            for digest in freed:
+                self.index.deferred[digest] = sizes[digest]
+            return entry.path, allocated(entry.manifest_bytes, self.index.alloc_unit), freed
+
+    @staticmethod
+    def unlink_paths(paths: list[str], clock: Any = None) -> None:
+        """Unlink files in parallel. An unlink that frees data blocks can wait on the device
+        (ext4 with online discard issues the discard inside the unlink and waits for it,
+        queued behind pending writes); parallel unlinks share that wait."""
+        if not paths:
+            return
+        work = lambda: parallel_map(_unlink_quietly, paths, "maintenance")  # noqa: E731
+        clock.run("unlink_batch", work) if clock is not None else work()
+
+    def sync_dropped_locked(self, clock: Any = None) -> float:
         """fsync the directories of dropped manifests, so no crash can bring one back after
-        its objects are deleted. Returns the seconds it took (tracked in ``fsync_cost_s``)."""
+        its objects are deleted. Returns the seconds it took."""
         with self._mutex:
             dirs = sorted(self.unsynced_dirs)
         if not dirs:
             return 0.0
         t0 = time.monotonic()
-        sync_all(fsync_dir, dirs)
-        took = time.monotonic() - t0
+        work = lambda: sync_all(fsync_dir, dirs, "maintenance")  # noqa: E731
+        clock.run("fsync", work) if clock is not None else work()
         with self._mutex:
             self.unsynced_dirs.difference_update(dirs)
-            self.fsync_cost_s = max(took, self.fsync_cost_s * 0.8)
-        return took
+        return time.monotonic() - t0
 
-    def delete_deferred_locked(self, protected: set[str],
-                               deadline: float | None = None) -> tuple[int, bool]:
-        """Delete deferred objects that are still garbage, until ``deadline`` (monotonic).
-        Returns (bytes reclaimed, whether none are left). Does nothing while a dropped
-        manifest's directory is not yet fsynced."""
+    def delete_deferred_locked(self, protected: set[str], clock: Any = None,
+                               only: set[str] | None = None) -> tuple[int, bool]:
+        """Delete deferred objects that are still garbage, in parallel batches; with ``clock``
+        (a ``PassClock``) only while the next batch is expected to fit. ``only`` limits it to
+        those digests. Returns (bytes reclaimed, whether none of them are left). Does nothing
+        while a dropped manifest's directory is not yet fsynced."""
+        with self._mutex:
+            pending = [d for d in self.index.deferred if only is None or d in only]
         if self.unsynced_dirs:
-            return 0, not self.index.deferred
+            return 0, not pending
         reclaimed = 0
-        for digest in list(self.index.deferred):
-            if deadline is not None and time.monotonic() >= deadline:
+        while pending:
+            if clock is not None and not clock.fits("unlink_batch"):
                 return reclaimed, False
+            batch = []
             with self._mutex:
-                self.index.deferred.pop(digest, None)
-                if digest in protected or digest in self.index.refcount:
-                    continue  # referenced again (a publication reused it): not garbage
-            reclaimed += allocated(self.objects.remove(digest), self.index.alloc_unit)
+                for digest in pending[:_UNLINK_BATCH]:
+                    self.index.deferred.pop(digest, None)
+                    if digest in protected or digest in self.index.refcount:
+                        continue  # referenced again (a publication reused it): not garbage
+                    batch.append(digest)
+            pending = pending[_UNLINK_BATCH:]
+            work = lambda: parallel_map(self.objects.remove, batch, "maintenance")  # noqa: E731
+            sizes = clock.run("unlink_batch", work) if clock is not None else work()
+            reclaimed += sum(allocated(n, self.index.alloc_unit) for n in sizes)
         return reclaimed, True
 
     def locked_view_refresh(self) -> set[str]:
@@ -413,16 +418,17 @@ class PageStore:
 
 
 _WRITE_BATCH = 64  # objects written, then synced together
-_PARALLEL_HASH_BYTES = 4 << 20  # hash pages on the pool above this much data
-
-
-class _BaseAbsent(Exception):
-    pass
-
-
+_UNLINK_BATCH = 16  # files a maintenance unit unlinks in parallel (the maintenance pool size)
 def _handle_of(entry: IndexedEntry) -> EntryHandle:
     m = entry.manifest
     return EntryHandle(m.entry_id, m.identity_digest, m.block_count, m.blocks_per_page, m.pages)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _touch(entry: IndexedEntry) -> None:

@@ -1,0 +1,153 @@
+"""Writing one publication's objects and manifest: hashing overlapped with writing, and as
+few journal commits as the crash-safety order allows.
+
+Order (each step durable before the next makes anything visible):
+  1. pages are hashed on the I/O pool while this thread writes the pages already hashed:
+     per page, under the shared gc lock, its digest is declared in the intent and the object
+     is looked up; a missing one is written to a temp file and its write-back is started
+     (at most ``_WRITEBACK_WINDOW`` bytes in flight, so the device queue this builds, which
+     every other reader, writer and discarding unlink waits behind, stays short);
+  2. the manifest (it only needs the digests) is written to a temp file too, and one
+     parallel round of fdatasync makes every temp file durable (one journal commit);
+  3. the objects are renamed into place and their shard directories fsynced;
+  4. only then is the manifest renamed into place and its directory fsynced.
+A crash before 4 leaves no manifest (the temp files and renamed objects are garbage that
+recovery and maintenance collect); after 4 the entry is complete.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterator, Sequence
+
+from .layout import fsync_dir, parallel_imap, start_writeback, sync_all, wait_writeback
+from .locks import shared_lock
+from .manifests import PageRef
+from .objects import digest_of
+from .staging import Staging
+
+_SYNC_BATCH = 64  # temp files written before a round of fdatasync + renames
+_WRITEBACK_WINDOW = 8 << 20  # bytes of started write-back a publication keeps in flight
+_PARALLEL_HASH_BYTES = 1 << 20  # hash pages on the pool above this much data
+
+
+class BaseObjectGone(Exception):
+    """An object of the stored prefix (a page given as None) is no longer on disk."""
+
+
+class PublicationWriter:
+    """Writes the objects of one publication into ``store`` through ``staging``."""
+
+    def __init__(self, store: Any, staging: Staging) -> None:
+        self.store = store
+        self.staging = staging
+        self.written_digests: set[str] = set()
+        self.bytes_written = 0
+        self._open: list[tuple[int, str, str]] = []  # (fd, digest, temp path)
+        self._in_flight: list[tuple[int, int]] = []  # (fd, bytes) with write-back started
+
+    def write_pages(self, pages: Sequence[Any], reused: dict[int, PageRef]) -> list[PageRef]:
+        """Hash and write ``pages`` (None: the ``reused`` ref at that index). Returns the
+        manifest's page refs in order. The last sync round is left for ``commit``."""
+        self._declare_reused(list(reused.values()))
+        given = [p for p in pages if p is not None]
+        big = sum(map(len, given)) > _PARALLEL_HASH_BYTES
+        digests: Iterator[str] = parallel_imap(digest_of, given) if big else map(digest_of, given)
+        refs: list[PageRef] = []
+        seen: set[str] = set()
+        for i, page in enumerate(pages):
+            if page is None:
+                refs.append(reused[i])
+                continue
+            digest = next(digests)
+            refs.append(PageRef(digest, len(page)))
+            if digest in seen:
+                continue
+            seen.add(digest)
+            if self._claim(digest, len(page)):
+                self._write_temp(digest, page)
+                if len(self._open) >= _SYNC_BATCH:
+                    self._sync_round()
+        return refs
+
+    def commit(self, manifest_temp: str, manifest_bytes: bytes, manifest_final: str,
+               make_identity_dir: Callable[[], list[str]]) -> None:
+        """Steps 2-4: the manifest's temp file joins the objects' last fdatasync round; it is
+        renamed into place only after the objects' renames are durable."""
+        fd = os.open(manifest_temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        _write_all(fd, manifest_bytes)
+        self._open.append((fd, "", manifest_temp))
+        self._sync_round(extra_dirs=make_identity_dir())
+        os.rename(manifest_temp, manifest_final)
+        fsync_dir(os.path.dirname(manifest_final))
+
+    def close(self) -> None:
+        for fd, _, _ in self._open:
+            os.close(fd)
+        self._open.clear()
+
+    # ------------------------------------------------------------------ steps
+
+    def _declare_reused(self, refs: list[PageRef]) -> None:
+        if not refs:
+            return
+        unique = {r.digest: r for r in refs}
+        with shared_lock(self.store.layout.gc_lock_path):
+            self.staging.declare(unique)
+            for ref in unique.values():
+                if not self.store.objects.exists_with_size(ref.digest, ref.size):
+                    raise BaseObjectGone(f"object {ref.digest} of the stored prefix is gone "
+                                         "(evicted or deleted); publish again with its bytes")
+
+    def _claim(self, digest: str, size: int) -> bool:
+        """Declare ``digest`` (so no collector deletes it from now on); True if it must be
+        written, False if the object is already there."""
+        with shared_lock(self.store.layout.gc_lock_path):
+            self.staging.declare((digest,))
+            return not self.store.objects.exists_with_size(digest, size)
+
+    def _write_temp(self, digest: str, page: Any) -> None:
+        tmp = self.staging.temp_path(digest)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._open.append((fd, digest, tmp))
+        _write_all(fd, page)
+        start_writeback(fd)  # the disk works while the next page is hashed and copied
+        self.bytes_written += len(page)
+        self._in_flight.append((fd, len(page)))
+        while sum(n for _, n in self._in_flight) > _WRITEBACK_WINDOW:
+            wait_writeback(self._in_flight.pop(0)[0])  # bound the device queue we build
+
+    def _sync_round(self, extra_dirs: Sequence[str] = ()) -> None:
+        """One parallel fdatasync of the open temp files, then the objects' renames and one
+        parallel fsync of their shard directories (plus ``extra_dirs``)."""
+        items, self._open = self._open, []
+        self._in_flight.clear()
+        try:
+            sync_all(lambda item: os.fdatasync(item[0]), items)
+        finally:
+            for fd, _, _ in items:
+                os.close(fd)
+        dirs = set(extra_dirs)
+        for _, digest, tmp in items:
+            if not digest:
+                continue  # the manifest: renamed by commit, after this round
+            final = self.store.objects.path(digest)
+            shard = os.path.dirname(final)
+            if shard not in dirs:
+                try:
+                    os.mkdir(shard)
+                except FileExistsError:
+                    pass
+                dirs.add(shard)
+            os.rename(tmp, final)
+            self.written_digests.add(digest)
+        sync_all(fsync_dir, sorted(dirs))
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+__all__ = ["BaseObjectGone", "PublicationWriter"]
