@@ -4,6 +4,10 @@ The worker copies a finished request's pages out of the KV cache into a slot (so
 free the blocks at once) and hands the slot to the publisher, which writes it to the
 store. When every slot is taken, or a capture is larger than one slot, the publication is
 skipped and counted: serving never waits for a slot.
+
+A ticket submitted with a ``tag`` is *settled* once its outcome is counted in ``stats``
+(published, failed or cancelled); ``take_settled()`` returns the tags settled since the
+last call, so the connector can tell the scheduler when no publication is left in flight.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class CaptureSlots:
         self._lock = threading.Lock()
         self._queue: "queue.Queue[Any]" = queue.Queue()
         self._pending: dict[int, tuple[float, int]] = {}
+        self._tags: dict[int, Any] = {}
+        self._settled: list[Any] = []
         self.stats = CaptureSlotStats()
         self._seq = 0
         self._idle = threading.Condition(self._lock)
@@ -61,7 +67,10 @@ class CaptureSlots:
             self._metrics.publication_queued(self._seq, nbytes)
         return self._seq
 
-    def submit(self, ticket: int, job: Any) -> None:
+    def submit(self, ticket: int, job: Any, tag: Any = None) -> None:
+        if tag is not None:
+            with self._lock:
+                self._tags[ticket] = tag
         self._queue.put((ticket, job))
 
     def cancel(self, ticket: int) -> None:
@@ -70,6 +79,8 @@ class CaptureSlots:
     def _release(self, ticket: int) -> None:
         with self._lock:
             self._pending.pop(ticket, None)
+            if ticket in self._tags:  # after the outcome was counted in self.stats
+                self._settled.append(self._tags.pop(ticket))
             self._free += 1
             self._idle.notify_all()
         if self._metrics is not None:
@@ -95,6 +106,12 @@ class CaptureSlots:
             self._release(ticket)
 
     # ------------------------------------------------------------------ views
+
+    def take_settled(self) -> list[Any]:
+        """Tags of submitted tickets whose outcome is counted, since the last call."""
+        with self._lock:
+            out, self._settled = self._settled, []
+        return out
 
     def in_use(self) -> int:
         with self._lock:

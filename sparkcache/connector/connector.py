@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
                                                                KVConnectorTransferResults,
+                                                               KVConnectorWorkerMetadata,
                                                                SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -40,6 +41,15 @@ _FOREIGN_KEYS = ("shared_storage_path",)
 class SparkcacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     captures: list[CapturePlan] = field(default_factory=list)
+
+
+@dataclass
+class SparkcacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: request ids whose capture settled (one entry per worker)."""
+    settled: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "SparkcacheWorkerMetadata":
+        return SparkcacheWorkerMetadata(self.settled + list(getattr(other, "settled", ())))
 
 
 def _settings_from(vllm_config: Any):
@@ -94,7 +104,6 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = _settings_from(vllm_config)
         self.mode = self.settings.access_mode if self.settings.enabled else "disabled"
         self.block_size = int(vllm_config.cache_config.block_size)
-        self._gauges_at = 0.0
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -102,6 +111,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             store = _open_store(self.settings, metrics=None)
             self._sched = SchedulerSide(self.settings, identity, store, self.block_size,
                                         attention_only, len(kv_cache_config.kv_cache_groups))
+            self._sched.num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         else:
             try:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -156,6 +166,10 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_block_frees(self) -> bool:
         return self._sched is not None and self._sched.has_pending_block_frees()
 
+    def has_pending_push_work(self) -> bool:
+        # Keeps an idle engine stepping until our last numbers reached vLLM's stats.
+        return self._sched is not None and self._sched.has_pending_push_work()
+
     def take_events(self) -> Iterable[Any]:
         return ()  # sparkcache emits no KV cache events (stored entries are not GPU blocks)
 
@@ -208,17 +222,22 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
                 stats.add(k, v)
             stats.set_gauge("pending_block_frees", len(self._sched.awaiting_send) +
                             len(self._sched.awaiting_recv_free))
+            stats.set_gauge("unsettled_captures", len(self._sched.unsettled))
         if self._worker is not None:
-            counters, _ = self._worker.counters, None
-            now = time.monotonic()
-            if now - self._gauges_at >= 1.0 or self._worker.counters:
-                counters, gauges = self._worker.take_stats()
-                self._gauges_at = now
-                for k, v in counters.items():
-                    stats.add(k, v)
-                for k, v in gauges.items():
-                    stats.set_gauge(k, v)
+            counters, gauges = self._worker.take_stats(time.monotonic())
+            for k, v in counters.items():
+                stats.add(k, v)
+            for k, v in gauges.items():
+                stats.set_gauge(k, v)
         return None if stats.is_empty() else stats
+
+    def build_connector_worker_meta(self) -> SparkcacheWorkerMetadata | None:
+        # Called after get_kv_connector_stats in the same step: the settled captures it
+        # names are already counted in the stats shipped with this step.
+        if self._worker is None:
+            return None
+        settled = self._worker.take_settled()
+        return SparkcacheWorkerMetadata(settled) if settled else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparkcacheStats:

@@ -15,11 +15,18 @@ Per request it keeps one ``_ReqState``. The flow:
   minimum span; delays the free (a lease with the lease transform) until the workers
   copied the pages into a capture slot (``finished_sending``), or until an in-flight load
   is reported (``finished_recving``).
+- ``has_pending_push_work``: true while a planned capture is not yet settled by every
+  worker (published, failed or skipped: reported in the worker meta) or counters are
+  waiting to be taken. vLLM then keeps stepping an otherwise idle engine, and each step
+  carries our stats to ``/metrics``; without it the numbers of the last request (the
+  publication finishing after its last step, or attribution counted on an abort outside
+  a step) would stay in the processes until the next request.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +95,9 @@ class SchedulerSide:
         self.awaiting_recv_free: set[str] = set()  # finished while loading: owed by finished_recving
         self.counters = SchedulerCounters()
         self.records: list[AttributionRecord] = []  # finished records (bounded)
+        self.num_workers = 1                      # worker reports expected per capture plan
+        self.settle_timeout_s = 120.0
+        self.unsettled: dict[str, tuple[int, float]] = {}  # req_id -> (reports owed, deadline)
 
     # ------------------------------------------------------------------ requests
 
@@ -192,6 +202,12 @@ class SchedulerSide:
             st.load_plan, st.load_tokens = None, 0
         for req_id in output.finished_sending or ():
             self.awaiting_send.discard(req_id)
+        for req_id in getattr(getattr(output, "kv_connector_worker_meta", None), "settled", ()) or ():
+            owed, deadline = self.unsettled.get(req_id, (0, 0.0))
+            if owed > 1:
+                self.unsettled[req_id] = (owed - 1, deadline)
+            else:
+                self.unsettled.pop(req_id, None)
 
     # ------------------------------------------------------------------ finish
 
@@ -217,6 +233,9 @@ class SchedulerSide:
             return False, params
         self.captures_to_send.append(plan)
         self.awaiting_send.add(request.request_id)
+        owed, _ = self.unsettled.get(request.request_id, (0, 0.0))
+        self.unsettled[request.request_id] = (owed + self.num_workers,
+                                              time.monotonic() + self.settle_timeout_s)
         return True, params
 
     def _capture_plan(self, st: _ReqState, request: Any, block_ids: tuple[list[int], ...]) -> CapturePlan | None:
@@ -239,6 +258,17 @@ class SchedulerSide:
 
     def has_pending_block_frees(self) -> bool:
         return bool(self.awaiting_send or self.awaiting_recv_free)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping until every planned capture settled and counters were taken."""
+        if self.unsettled:
+            now = time.monotonic()
+            for req_id, (_, deadline) in list(self.unsettled.items()):
+                if now > deadline:  # a lost report must not keep the engine busy forever
+                    logger.warning("sparkcache: no publication report for %s after %.0f s; "
+                                   "not waiting for it", req_id, self.settle_timeout_s)
+                    del self.unsettled[req_id]
+        return bool(self.unsettled or self.counters.data)
 
     def take_counters(self) -> dict:
         data, self.counters.data = self.counters.data, {}

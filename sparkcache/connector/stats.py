@@ -45,6 +45,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "capacity_used_bytes": ("Allocated bytes in the store.", "used_bytes"),
     "capacity_limit_bytes": ("Store max_bytes.", "max_bytes"),
     "entries": ("Published entries in the store.", "entries"),
+    "captures_unsettled": ("Planned captures whose outcome the workers have not reported yet.",
+                           "unsettled_captures"),
     "pending_block_frees": ("Finished requests whose blocks wait for a capture copy or a restore.", "pending_block_frees"),
 }
 

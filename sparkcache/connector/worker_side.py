@@ -48,6 +48,9 @@ class WorkerSide:
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         self.counters: dict[str, float] = {}
+        self._settled: list[str] = []       # capture plans with a final outcome, not yet taken
+        self._settled_reported: list[str] = []  # taken with the last stats, for the worker meta
+        self._gauges_at = float("-inf")
         self.slots = None
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
@@ -151,6 +154,7 @@ class WorkerSide:
         """Copy the pages out (the blocks are free-able afterwards) and queue the publication."""
         self.finished_sending.add(plan.req_id)
         if self.slots is None or not self.attention_only or not self.kv:
+            self._settled.append(plan.req_id)
             return
         import torch
 
@@ -160,6 +164,7 @@ class WorkerSide:
         nbytes = (n - first) * sum(self._block_bytes(name) for _, name in layers)
         ticket = self.slots.try_acquire(nbytes)
         if ticket is None:
+            self._settled.append(plan.req_id)  # skipped and counted by the slots
             return
         try:
             gathered = {}
@@ -173,9 +178,10 @@ class WorkerSide:
                                       for _, name in layers))
         except Exception:
             self.slots.cancel(ticket)
+            self._settled.append(plan.req_id)
             logger.exception("sparkcache: capture of %s failed", plan.req_id)
             return
-        self.slots.submit(ticket, _PublishJob(list(plan.keys), pages))
+        self.slots.submit(ticket, _PublishJob(list(plan.keys), pages), tag=plan.req_id)
 
     def _publish(self, job: _PublishJob) -> Any:
         result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp)
@@ -190,7 +196,18 @@ class WorkerSide:
         self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
         return out
 
-    def take_stats(self) -> tuple[dict, dict]:
+    def take_stats(self, now: float, gauge_interval_s: float = 1.0) -> tuple[dict, dict]:
+        """Counter deltas and gauges since the last call, and the captures settled meanwhile.
+
+        Order matters: the settled captures are taken *first*, then the counters and the
+        gauges, so the numbers shipped with a settlement already include its outcome (the
+        scheduler stops stepping an idle engine once every capture it planned is settled).
+        Store capacity gauges are read when something moved or every ``gauge_interval_s``.
+        """
+        settled, self._settled = self._settled, []
+        if self.slots is not None:
+            settled += self.slots.take_settled()
+        self._settled_reported += settled
         counters, self.counters = self.counters, {}
         gauges: dict[str, float] = {}
         if self.slots is not None:
@@ -206,10 +223,16 @@ class WorkerSide:
                 setattr(self, "_last_" + attr, value)
             gauges.update(pending_slots=self.slots.in_use(), pending_bytes=self.slots.pending_bytes(),
                           oldest_pending_age=self.slots.oldest_age(), slots_total=self.slots.n_slots)
-        if self.store is not None:
+        if self.store is not None and (settled or counters or now - self._gauges_at >= gauge_interval_s):
             cap = self.store.capacity()
             gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries)
+            self._gauges_at = now
         return counters, gauges
+
+    def take_settled(self) -> list[str]:
+        """Captures settled up to the last ``take_stats`` (sent back in the worker meta)."""
+        out, self._settled_reported = self._settled_reported, []
+        return out
 
     def close(self) -> None:
         if self.slots is not None:

@@ -1,11 +1,10 @@
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from contracts.engine_driver import run_in_fresh_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,32 +24,7 @@ def long_prompt(n: int = 2100, seed: int = 1) -> list[int]:
 
 def run_engine(cfg: dict, timeout: int = 500) -> dict:
     """One engine life (start, generate, shut down) in a fresh process; returns its JSON."""
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(REPO))
-    import signal
-    import tempfile
-
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        # Own session: whatever the engine leaves behind is killed with its group, and
-        # files (not pipes) so a straggler cannot keep us waiting.
-        p = subprocess.Popen([sys.executable, "-m", "tests.connector.engine_driver", json.dumps(cfg)],
-                             cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
-        try:
-            p.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out.seek(0)
-        err.seek(0)
-        proc = subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
-    for line in proc.stdout.splitlines():
-        if line.startswith("ENGINE-RESULT "):
-            result = json.loads(line[len("ENGINE-RESULT "):])
-            result["log"] = proc.stdout[-20000:] + proc.stderr[-20000:]
-            return result
-    raise AssertionError(f"engine run failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return run_in_fresh_process(cfg, REPO, timeout)
 
 
 def metric(result: dict, name: str, **labels) -> float:

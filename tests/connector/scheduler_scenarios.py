@@ -67,8 +67,13 @@ def store_prefix(scheduler, tokens: list[int]) -> int:
 
 
 def step(scheduler, recving: Iterable[str] = (), failed: Iterable[str] = (), sending: Iterable[str] = (),
-         token_id: int = 7):
+         token_id: int = 7, settled: Iterable[str] = ()):
+    """One schedule + synthetic model output; ``settled``: captures the worker reports settled
+    (published or skipped) in its worker meta. Returns the SchedulerOutput; the engine-core
+    outputs (with the step's stats) are in ``scheduler.last_engine_outputs``."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from sparkcache.connector.connector import SparkcacheWorkerMetadata
 
     out = scheduler.schedule()
     req_ids = list(out.num_scheduled_tokens)
@@ -78,11 +83,13 @@ def step(scheduler, recving: Iterable[str] = (), failed: Iterable[str] = (), sen
         req = scheduler.requests[rid]
         sampled.append([token_id] if req.num_computed_tokens >= req.num_tokens else [])
     recving, failed, sending = set(recving), set(failed), set(sending)
+    settled = list(settled)
     kv_out = None
-    if recving or failed or sending:
+    if recving or failed or sending or settled:
         kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=(recving | failed) or None,
-                                   failed_recving=failed)
-    scheduler.update_from_output(out, ModelRunnerOutput(
+                                   failed_recving=failed,
+                                   kv_connector_worker_meta=SparkcacheWorkerMetadata(settled) if settled else None)
+    scheduler.last_engine_outputs = scheduler.update_from_output(out, ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
         logprobs=None, prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out))
     return out

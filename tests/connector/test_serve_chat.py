@@ -12,10 +12,15 @@ file in the test's tmp dir). For every response:
   ``usage.prompt_tokens``; the same record is in the server's output as the
   ``sparkcache-attribution {json}`` log line (engine-core process).
 
-Not asserted yet: ``/metrics`` after the last turn. The connector's gauges and capture
-counters reach vLLM's stats only with a later engine step, so an idle server can show
-stale values (seen: ``capture_slots_total`` 0, ``captures_total{published}`` 0); see
-docs/CONNECTOR.md.
+After the last turn, on the idle server, ``GET /metrics`` (parsed with
+``prometheus_client.parser``) shows ``vllm:sparkcache_attributed_tokens_total{source}`` equal
+to the sums of the six records, ``attributed_requests_total{complete="true"}`` = 6, every
+planned capture settled (queued = published + publish_failed, nothing pending), and the
+gauges equal to the store on disk read after the run (``capacity_used_bytes`` = its
+allocated bytes, ``entries`` = its entry count, ``capacity_limit_bytes``,
+``capture_slots_total``). The connector keeps vLLM stepping until its last capture settled
+(``has_pending_push_work``), so these numbers arrive without another request; the test
+waits for the frontend to receive them and then checks that they stay put.
 
 The server runs in its own process group (engine processes ignore SIGTERM) which the
 fixture kills with SIGKILL in teardown.
@@ -26,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -136,33 +140,42 @@ def chat(server):
                       "temperature": 0.0, "ignore_eos": True})
         turns.append(resp)
         messages.append({"role": "assistant", "content": resp["choices"][0]["message"]["content"] or ""})
-    # metrics: the last step's stats reach the frontend asynchronously; poll until they settle
-    want_requests = TURNS
-    text = ""
-    for _ in range(60):
-        text = _get(server["base"] + "/metrics")[1]
-        if (_sample(text, "vllm:sparkcache_attributed_requests_total", complete="true") >= want_requests
-                and _sample(text, "vllm:sparkcache_capture_slots_total") >= 1
-                and _sample(text, "vllm:sparkcache_entries") >= 1):
+    # The last steps' stats reach the frontend asynchronously: wait until every planned
+    # capture settled there, then scrape twice (the idle server's numbers must stay put).
+    deadline, samples = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        samples = _samples(_get(server["base"] + "/metrics")[1])
+        queued = _value(samples, "vllm:sparkcache_captures_total", outcome="queued")
+        done = sum(_value(samples, "vllm:sparkcache_captures_total", outcome=o)
+                   for o in ("published", "publish_failed"))
+        if (_value(samples, "vllm:sparkcache_attributed_requests_total") >= TURNS and queued > 0
+                and done >= queued and _value(samples, "vllm:sparkcache_publication_pending_slots") == 0
+                and _value(samples, "vllm:sparkcache_captures_unsettled") == 0):
             break
         time.sleep(0.5)
-    return {"turns": turns, "metrics": text, "log": server["log"]}
+    time.sleep(2.0)
+    settled = _samples(_get(server["base"] + "/metrics")[1])
+    return {"turns": turns, "metrics": samples, "metrics_later": settled, "log": server["log"],
+            "root": server["root"]}
 
 
-def _sample(text: str, name: str, **labels) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``; -1 when absent."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        m = re.match(r"^([^{\s]+)(\{([^}]*)\})?\s+(\S+)", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(4))
-            found = True
-    return total if found else -1.0
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels without vLLM's engine/model_name): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, tuple], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("engine", "model_name")))
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def _value(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``; NaN when absent."""
+    hits = [v for (n, lab), v in samples.items()
+            if n == name and all(dict(lab).get(k) == want for k, want in labels.items())]
+    return sum(hits) if hits else float("nan")
 
 
 def _record(resp: dict) -> dict:
@@ -199,3 +212,48 @@ def test_attribution_log_lines_match_the_responses(chat):
         rec = _record(resp)
         assert by_id.get(rec["request_id"]) == rec
 
+
+
+def _store_capacity(root):
+    """The store as a separate reader sees it after the run (never recovers or writes)."""
+    from sparkcache.settings import load_settings
+    from sparkcache.store import PageStore
+
+    return PageStore.from_settings(load_settings(extra_config={"root": str(root)}), recover=False).capacity()
+
+
+def test_metrics_on_the_idle_server_match_the_records_and_the_store(chat):
+    m = chat["metrics"]
+    records = [_record(resp) for resp in chat["turns"]]
+    for source, key in (("local_hit", "local_hit_tokens"), ("external", "external_tokens"),
+                        ("recomputed", "recomputed_tokens")):
+        got = _value(m, "vllm:sparkcache_attributed_tokens_total", source=source)
+        assert got == sum(r[key] for r in records), (source, got, records)
+    assert _value(m, "vllm:sparkcache_attributed_requests_total", complete="true") == TURNS
+    assert _value(m, "vllm:sparkcache_attributed_requests_total", complete="false") == 0
+    queued = _value(m, "vllm:sparkcache_captures_total", outcome="queued")
+    published = _value(m, "vllm:sparkcache_captures_total", outcome="published")
+    failed = _value(m, "vllm:sparkcache_captures_total", outcome="publish_failed")
+    assert queued >= 1 and published + failed == queued, (queued, published, failed)
+    assert _value(m, "vllm:sparkcache_publication_pending_slots") == 0
+    # the workers' settle reports reached the scheduler (else it waits 120 s for them)
+    assert _value(m, "vllm:sparkcache_captures_unsettled") == 0
+    assert _value(m, "vllm:sparkcache_publication_pending_bytes") == 0
+    cap = _store_capacity(chat["root"])
+    print(f"metrics: attributed={[_value(m, 'vllm:sparkcache_attributed_tokens_total', source=s) for s in ('local_hit', 'external', 'recomputed')]} "
+          f"captures queued={queued} published={published} used_bytes={_value(m, 'vllm:sparkcache_capacity_used_bytes')} "
+          f"entries={_value(m, 'vllm:sparkcache_entries')}; store: {cap}")
+    assert cap.entries >= 1 and cap.used_bytes > 0
+    assert _value(m, "vllm:sparkcache_capacity_used_bytes") == cap.used_bytes
+    assert _value(m, "vllm:sparkcache_entries") == cap.entries
+    assert _value(m, "vllm:sparkcache_capacity_limit_bytes") == cap.max_bytes
+    from sparkcache.settings import load_settings
+
+    assert _value(m, "vllm:sparkcache_capture_slots_total") == load_settings(extra_config={"root": str(chat["root"])}).capture_slots
+
+
+def test_metrics_stay_put_on_the_idle_server(chat):
+    names = [k for k in chat["metrics"] if k[0].startswith("vllm:sparkcache_")
+             and "oldest_pending_age" not in k[0] and not k[0].endswith("_created")]
+    assert names
+    assert {k: chat["metrics"][k] for k in names} == {k: chat["metrics_later"].get(k) for k in names}

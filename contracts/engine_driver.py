@@ -1,6 +1,9 @@
 """One engine life in a fresh process: start ``vllm.LLM`` on CPU, generate, report JSON, exit.
 
-    python -m tests.connector.engine_driver '{"model": DIR, "connector": "sparkcache"|"example"|"none",
+Used by the host suite (tests/connector) and by the contract suite inside an image, through
+``run_in_fresh_process``; on its own:
+
+    python -m contracts.engine_driver '{"model": DIR, "connector": "sparkcache"|"example"|"none",
         "extra": {...}, "prompts": [[ids...]], "max_tokens": 16, "block_size": 32}'
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
@@ -12,8 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 def run(cfg: dict) -> dict:
@@ -61,7 +68,44 @@ def run(cfg: dict) -> dict:
     return {"results": results, "metrics": metrics, "startup_s": startup_s}
 
 
+RESULT_MARKER = "ENGINE-RESULT "
+
+
+def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
+                         command: tuple[str, ...] = ("contracts.engine_driver",)) -> dict:
+    """``python -m *command JSON(cfg)`` in a new interpreter (its own session, killed with its
+    group afterwards: engine processes ignore SIGTERM), with ``cwd`` first on PYTHONPATH; the
+    child prints one ``ENGINE-RESULT {json}`` line. Returns that JSON plus ``log`` (the tail of
+    its output); raises RuntimeError with that output when the child fails."""
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")])))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Files, not pipes, so a straggler that inherited them cannot keep us waiting.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, "-m", *command, json.dumps(cfg)],
+                             cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER):])
+            result["log"] = stdout[-20000:] + stderr[-20000:]
+            return result
+    raise RuntimeError(f"engine life `python -m {' '.join(command)} '<cfg>'` failed (rc={p.returncode}, "
+                       f"timeout {timeout} s); its output ends:\n{stdout[-4000:]}\n{stderr[-8000:]}")
+
+
 if __name__ == "__main__":
     result = run(json.loads(sys.argv[1]))
-    print("ENGINE-RESULT " + json.dumps(result), flush=True)
+    print(RESULT_MARKER + json.dumps(result), flush=True)
     os._exit(0)  # do not wait for stray non-daemon threads after the engine shut down

@@ -1,0 +1,282 @@
+"""Time to first token after an engine restart: recompute vs sparkcache vs vLLM's ExampleConnector.
+
+    python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3]
+
+One run, three arms, the same prompt (random token ids, 2,000+ tokens), greedy:
+
+- ``recompute``: no connector; the prompt is computed;
+- ``sparkcache``: one engine life publishes the prompt's KV (read-write), then each timed
+  life is a fresh engine on the same root that restores it (verified read, then placed);
+- ``example``: vLLM's own ``ExampleConnector`` (``shared_storage_path``, also KV on disk):
+  one life stores, each timed life is a fresh engine that loads it.
+
+Every engine life is its own process in its own session, killed as a group with SIGKILL
+afterwards (engine processes ignore SIGTERM). In a timed life the engine starts, serves
+one short unrelated warm-up prompt (40 tokens) (so one-off first-forward costs are not billed to an
+arm), then the timed request, greedy with ``--check-tokens`` output tokens: TTFT is vLLM's
+own ``RequestOutput.metrics.first_token_latency`` of that request (arrival to first token;
+the wall time of the whole ``generate`` is kept as ``generate_s``). The greedy outputs of
+all lives of all three arms must be identical, else the run fails.
+
+The model is ``sparkcache.tinymodel.BENCH``, a random-weight Llama made offline (hidden
+1024, 8 layers, 16 query / 4 KV heads of 64, bf16): its compute per token against KV bytes
+per token is that of a real small model, unlike the tiny test model, which recomputes
+faster than any disk read. Both figures are in the JSON (``model``). The store's pages sit
+in the OS page cache when read (both connectors alike): a cold-disk restore is slower.
+Medians over ``--reps`` fresh restarts per arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from contracts.engine_driver import RESULT_MARKER, run_in_fresh_process
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 32
+ARMS = ("recompute", "sparkcache", "example")
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """Per-token cost of the model: matmul FLOPs (2 per weight) and KV bytes written."""
+    path: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    params: int
+    flops_per_token: int            # 2 x weights touched per token (embedding lookup excluded)
+    attention_flops_per_token_at_prompt: int  # causal QK^T and AV, averaged over the prompt
+    kv_bytes_per_token: int
+    flops_per_kv_byte: float
+
+
+@dataclass(frozen=True)
+class Life:
+    """One timed engine life."""
+    arm: str
+    rep: int
+    startup_s: float
+    ttft_s: float
+    generate_s: float
+    first_token: int
+    check_tokens: list[int]
+    num_cached_tokens: int
+    external_hit_tokens: float
+
+
+@dataclass(frozen=True)
+class ArmSummary:
+    arm: str
+    ttft_median_s: float
+    ttft_min_s: float
+    ttft_all_s: list[float]
+    num_cached_tokens: int
+    populate_ttft_s: float | None  # TTFT of the storing life (no warm-up; sparkcache, example)
+
+
+def model_figures(path: str, spec, prompt_tokens: int) -> ModelFigures:
+    h, hd, L = spec.hidden_size, spec.head_dim, spec.num_layers
+    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * spec.intermediate_size
+    params = L * per_layer + 2 * spec.vocab_size * h
+    flops = 2 * (L * per_layer + spec.vocab_size * h)  # lm_head counted, embedding lookup free
+    # causal attention: each token attends to on average prompt/2 keys: QK^T + AV = 2 x 2 x q x keys
+    attn = L * 4 * q * (prompt_tokens // 2)
+    nbytes = {"bfloat16": 2, "float16": 2, "float32": 4}[spec.dtype]
+    kv_bytes = L * 2 * kv * nbytes
+    return ModelFigures(path, h, L, spec.num_heads, spec.num_kv_heads, hd, spec.dtype, params,
+                        flops, attn, kv_bytes, round((flops + attn) / kv_bytes, 1))
+
+
+# ---------------------------------------------------------------------- one engine life (child)
+
+def _engine_life(cfg: dict) -> dict:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kvt = None
+    if cfg["arm"] == "sparkcache":
+        kvt = KVTransferConfig(kv_connector="SparkcacheConnector",
+                               kv_connector_module_path="sparkcache.connector", kv_role="kv_both",
+                               kv_load_failure_policy="recompute",
+                               kv_connector_extra_config={"root": cfg["root"], "min_span_tokens": 64})
+    elif cfg["arm"] == "example":
+        kvt = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"shared_storage_path": cfg["root"]})
+    t0 = time.monotonic()
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enable_prefix_caching=True,
+              max_model_len=cfg["max_model_len"], block_size=BLOCK, kv_transfer_config=kvt,
+              disable_log_stats=False, seed=0, max_num_batched_tokens=cfg["max_model_len"])
+    startup_s = time.monotonic() - t0
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    prompt = TokensPrompt(prompt_token_ids=cfg["prompt"])
+    if cfg.get("warmup"):
+        llm.generate([TokensPrompt(prompt_token_ids=cfg["warmup"])], SamplingParams(max_tokens=1, **greedy),
+                     use_tqdm=False)
+    t = time.monotonic()
+    out = llm.generate([prompt], SamplingParams(max_tokens=max(1, cfg["check_tokens"]), **greedy),
+                       use_tqdm=False)[0]
+    generate_s = time.monotonic() - t
+    # vLLM's own per-request TTFT (frontend arrival -> first token), not the decode after it
+    ttft_s = float(getattr(out.metrics, "first_token_latency", 0.0) or 0.0)
+    if ttft_s <= 0.0:
+        raise RuntimeError("RequestOutput.metrics.first_token_latency missing; fix: run with "
+                           "disable_log_stats=False (vLLM fills it only when it logs stats)")
+    external = 0.0
+    for m in llm.get_metrics():
+        if m.name == "vllm:external_prefix_cache_hits":
+            external += getattr(m, "value", 0) or 0
+    try:  # shut down: the connector drains its publications (the storing life needs this)
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    tokens = list(out.outputs[0].token_ids)
+    return {"startup_s": startup_s, "ttft_s": ttft_s, "generate_s": generate_s, "first_token": tokens[0],
+            "check_tokens": tokens, "num_cached_tokens": out.num_cached_tokens or 0,
+            "external_hit_tokens": external}
+
+
+# ---------------------------------------------------------------------- parent
+
+def run_life(cfg: dict, timeout_s: int = 900) -> dict:
+    """One engine life in its own process group (SIGKILLed afterwards)."""
+    return run_in_fresh_process(cfg, REPO, timeout_s, command=("bench.restore_ttft", "--engine-life"))
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def run(args: argparse.Namespace) -> dict:
+    from sparkcache.tinymodel import BENCH, TINY, make_tiny_model
+
+    spec = TINY if args.model == "tiny" else BENCH
+    model = make_tiny_model(spec)
+    dtype = args.dtype or spec.dtype
+    rng = random.Random(args.seed)
+    vocab = spec.vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
+    # shorter than the connector's min_span_tokens (64): sparkcache does not capture it, so no
+    # background publication overlaps the timed request (ExampleConnector stores it in-step)
+    warmup = [rng.randrange(3, vocab) for _ in range(40)]
+    base = {"model": model, "dtype": dtype, "prompt": prompt, "warmup": warmup,
+            "check_tokens": args.check_tokens, "max_model_len": max(4096, args.prompt_tokens + 64)}
+    work = Path(tempfile.mkdtemp(prefix="restore_ttft-", dir=args.work_dir))
+    lives: list[Life] = []
+    populate: dict[str, float] = {}
+    for arm in ARMS:
+        root = work / arm
+        if arm != "recompute":
+            t = time.monotonic()
+            stored = run_life({**base, "arm": arm, "root": str(root), "warmup": None, "check_tokens": 1})
+            populate[arm] = stored["ttft_s"]
+            print(f"[{arm}] stored the prompt in {time.monotonic() - t:.0f} s (ttft {stored['ttft_s']:.2f} s)",
+                  flush=True)
+        for rep in range(args.reps):
+            r = run_life({**base, "arm": arm, "root": str(root)})
+            life = Life(arm, rep, r["startup_s"], r["ttft_s"], r["generate_s"], r["first_token"], r["check_tokens"],
+                        r["num_cached_tokens"], r["external_hit_tokens"])
+            print(f"[{arm}] rep {rep}: ttft {life.ttft_s:.3f} s (cached {life.num_cached_tokens}, "
+                  f"startup {life.startup_s:.0f} s)", flush=True)
+            lives.append(life)
+    arms = {}
+    for arm in ARMS:
+        ts = [lf.ttft_s for lf in lives if lf.arm == arm]
+        cached = [lf.num_cached_tokens for lf in lives if lf.arm == arm]
+        arms[arm] = ArmSummary(arm, _median(ts), min(ts), ts, min(cached), populate.get(arm))
+    outputs = {(lf.first_token, tuple(lf.check_tokens)) for lf in lives}
+    reusable = (len(prompt) - 1) // BLOCK * BLOCK
+    rec, sc, ex = (arms[a].ttft_median_s for a in ARMS)
+    result = {
+        "bench": "restore_ttft",
+        "prompt_tokens": len(prompt), "block_size": BLOCK, "reusable_tokens": reusable,
+        "reps": args.reps, "warmup_tokens": len(warmup), "check_tokens": args.check_tokens,
+        "ttft": "RequestOutput.metrics.first_token_latency (median over reps)",
+        "model": asdict(model_figures(model, spec, len(prompt))),
+        "arms": {a: asdict(s) for a, s in arms.items()},
+        "lives": [asdict(lf) for lf in lives],
+        "ratios": {"recompute_over_sparkcache": rec / sc, "example_over_sparkcache": ex / sc},
+        "outputs_identical": len(outputs) == 1,
+        "targets": {"sparkcache_faster_than_recompute": sc < rec,
+                    "sparkcache_at_least_as_fast_as_example": sc <= ex,
+                    "sparkcache_restored_everything": arms["sparkcache"].num_cached_tokens == reusable,
+                    "example_restored_everything": arms["example"].num_cached_tokens == reusable},
+        "page_cache": "warm (the stored files were written by the previous life on this machine)",
+        "cpu_count": os.cpu_count(),
+    }
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def table(result: dict) -> str:
+    m, arms = result["model"], result["arms"]
+    rec = arms["recompute"]["ttft_median_s"]
+    lines = [f"model: hidden {m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']}/{m['num_kv_heads']} heads "
+             f"of {m['head_dim']}, {m['dtype']}: {m['flops_per_token'] / 1e6:.0f} MFLOP/token "
+             f"(+{m['attention_flops_per_token_at_prompt'] / 1e6:.0f} attention at this prompt), "
+             f"{m['kv_bytes_per_token']} KV bytes/token, {m['flops_per_kv_byte']} FLOP per KV byte",
+             f"prompt {result['prompt_tokens']} tokens, median of {result['reps']} restarts per arm",
+             f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'cached':>8}{'vs recompute':>14}"]
+    for arm, s in arms.items():
+        lines.append(f"{arm:<12}{s['ttft_median_s']:>9.3f}{s['ttft_min_s']:>9.3f}{s['num_cached_tokens']:>8}"
+                     f"{rec / s['ttft_median_s']:>13.2f}x")
+    lines.append(f"outputs identical across arms: {result['outputs_identical']}; targets: {result['targets']}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.restore_ttft", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--out", type=Path, default=REPO / "bench-out" / "restore_ttft.json")
+    a("--prompt-tokens", type=int, default=2100)
+    a("--reps", type=int, default=3, help="timed fresh restarts per arm (median reported)")
+    a("--check-tokens", type=int, default=8, help="greedy output tokens of the timed request, compared across arms")
+    a("--model", choices=("bench", "tiny"), default="bench")
+    a("--dtype", default=None, help="override the model's dtype (default: the spec's)")
+    a("--seed", type=int, default=0)
+    a("--work-dir", default=None, help="where the stores live (default: the system temp dir)")
+    a("--keep", action="store_true", help="keep the stores after the run")
+    a("--engine-life", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.engine_life:
+        result = _engine_life(json.loads(args.engine_life))
+        print(RESULT_MARKER + json.dumps(result), flush=True)
+        os._exit(0)  # do not wait for the engine's stray threads
+    if args.prompt_tokens < 64 or args.reps < 1:
+        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} / --reps {args.reps}: need >= 64 and >= 1")
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print(f"wrote {args.out}")
+    if not result["outputs_identical"]:
+        print("FAIL: the greedy outputs differ between arms", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
