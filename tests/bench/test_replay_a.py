@@ -4,7 +4,8 @@ transformed trees, one subprocess per arm), the real PageStore, synthetic model 
 Asserts the issue's inequalities on a default-shaped run (KV pool = headroom x the starting
 contexts, the pressure that reproduces Report A's loss, see docs/RESULTS.md): the untransformed
 tree loses local hits and restores avoidable prefixes, the transformed read-write arm keeps them
-and rescues evicted turns from the store; plus the store's rescue after a simulated engine restart.
+and rescues evicted turns from the store; plus the store's rescue after a simulated engine restart,
+with the replay's adapter and with the real connector's scheduler side (emulated worker).
 """
 
 from __future__ import annotations
@@ -78,6 +79,21 @@ def test_store_rescues_after_engine_restart(restart):
     assert rw["avoidable_external_tokens"] == 0, rw
 
 
+def test_real_connector_scheduler_side_rescues_after_restart(tmp_path):
+    # The real sparkcache.connector scheduler side plans every load and capture; the replay only
+    # emulates the worker (bench.replay_a_worker) on the simulated clock, through the real store.
+    summary = replay_a.run(["--out", str(tmp_path), "--connector", "sparkcache", "--arms", "read-write",
+                            "--restart-at", "450", *SMALL])
+    assert summary["connector"].startswith("sparkcache.connector")
+    rw = summary["arms"]["read-write"]
+    assert rw["restarts"] == 1 and rw["captures"] > 0
+    assert rw["failed_restore_reads"] == 0 and rw["publish_failures"] == 0
+    assert rw["rescued_turns"] > 0, rw
+    lat = rw["median_latency_s"]
+    assert lat["rescued"] < lat["rescued_if_recomputed"], lat
+    assert rw["avoidable_external_tokens"] == 0, rw
+
+
 def test_read_write_rescues_evicted_turns(normal):
     summary, _ = normal
     rw = summary["arms"]["read-write"]
@@ -91,3 +107,38 @@ def test_untransformed_reproduces_report_a_loss(normal):
     un = summary["arms"]["read-write-untransformed"]
     assert un["continuation_local_lt_50pct_fraction"] >= 0.25, un
     assert un["avoidable_external_tokens"] > 0, un
+
+
+def test_reports_alone_advance_no_clock():
+    # Seed 0, 3 agents, starts 5000-10000 once stopped "stuck" at t=2415.5: a restore finished
+    # after the last arrival, and the step that delivered finished_recving ran no tokens, so the
+    # loop looked for something to wait on instead of letting vLLM act on the report.
+    from bench.replay_a_sim import clock_after_step
+
+    assert clock_after_step(2415.5, 0.0, True, None, []) == 2415.5
+    assert clock_after_step(2415.5, 0.0, False, None, []) is None  # nothing pending: done or stuck
+    assert clock_after_step(100.0, 0.0, False, 130.0, [110.0]) == 110.0
+    assert clock_after_step(100.0, 2.5, False, 101.0, []) == 102.5
+
+
+def test_refuses_a_pool_smaller_than_one_request(tmp_path):
+    # One agent at 5000-10000: 1.08 x its start cannot hold the conversation it grows into.
+    with pytest.raises(SystemExit, match="--kv-pool-tokens .* raise --kv-pool-tokens or --kv-pool-headroom"):
+        replay_a.run(["--out", str(tmp_path), "--agents", "1", "--start-tokens", "5000,10000",
+                      "--arms", "read-write"])
+    assert not any(tmp_path.iterdir())  # refused before any work
+
+
+def test_pool_basis_expected_peak():
+    def cfg(*extra):
+        return replay_a.config_from(replay_a.parser().parse_args(["--out", "x", "--agents", "3",
+                                                                  "--start-tokens", "1600,3200", *extra]))
+
+    start, peak = cfg(), cfg("--kv-pool-basis", "expected-peak")
+    assert start["expected_peak_context_tokens"] == peak["expected_peak_context_tokens"]
+    assert peak["starting_context_tokens"] < peak["expected_peak_context_tokens"]
+    assert peak["kv_pool_tokens"] == -(-round(0.96 * peak["expected_peak_context_tokens"]) // 16) * 16
+    assert start["kv_pool_tokens"] == -(-round(1.08 * start["starting_context_tokens"]) // 16) * 16
+    # Growth stops at --new-conversation-after: a long run's peak is capped per agent.
+    long = cfg("--duration", "100000", "--new-conversation-after", "500")
+    assert long["expected_peak_context_tokens"] == long["starting_context_tokens"] + 3 * 500
