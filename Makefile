@@ -23,8 +23,9 @@ $(STAMP): $(LOCK) pyproject.toml
 sdist: venv
 	$(VENV)/bin/python -m transforms fetch --dest $(SDIST_DIR)
 
+# Two pytest processes side by side (tests/lanes.py): the image lane (tests/image_build) and the rest.
 test: venv sdist docker-setup
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m tests.lanes $(PYTEST_ARGS)
 
 # Upstream's full tests/v1/core and tests/v1/kv_connector/unit on both trees (slow: ~1 h on 2 cores).
 test-upstream-full: venv sdist

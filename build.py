@@ -2,7 +2,7 @@
 """Build, push and verify sparkcache images: digest-pinned inputs, hermetic build, one output line.
 
   python build.py [--spec images/vllm-cpu.yaml] [--registry HOST:PORT/REPO] [--dry-run] [--no-cache] [--receipt PATH]
-  python build.py verify REGISTRY/REPO@sha256:... [--receipt PATH]
+  python build.py verify REGISTRY/REPO@sha256:... [--receipt PATH] [--upstream image|ci|full]
   python build.py pin-wheels --spec SPEC --python-version 3.N --glibc 2.N [--no-deps] [-r FILE] [--write]
 
 build: resolves every input to a digest (the base image: made with debootstrap and pushed, or named
@@ -54,6 +54,10 @@ def verify_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python build.py verify", description="pull REF by digest and run the contract suite inside it with no network; exits with the suite's status")
     p.add_argument("ref", metavar="REGISTRY/REPO@sha256:...", help="the reference `make image` printed")
     p.add_argument("--receipt", type=Path, help="the build receipt (default: .cache/receipts/*-HEX.json for the digest)")
+    p.add_argument("--upstream", choices=("image", "ci", "full"), default="image",
+                   help="which of upstream vLLM's tests the suite runs in the image: 'image' (default, minutes: the tests of "
+                        "the functions the transforms change and the connector lifecycle), 'ci' (the host suite's subset), "
+                        "'full' (all of tests/v1/core and tests/v1/kv_connector/unit, over an hour on 2 cores)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments for the suite (after --)")
     return p
 
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             args = verify_parser().parse_args(argv[1:])
             from images.builder.pipeline import verify
 
-            return verify(args.ref, args.receipt, args.pytest_args)
+            return verify(args.ref, args.receipt, args.pytest_args, upstream=args.upstream)
         args = build_parser().parse_args(argv)
         from images.builder.pipeline import build
 

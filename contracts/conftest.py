@@ -3,7 +3,13 @@
 build.py verify mounts /verify read-only with labels.json (the image's labels, from the engine),
 receipt.json (the build receipt) and image.json (the reference, its digest and layer diff ids).
 What the image itself carries: /opt/sparkcache/build-inputs.json (written into the overlay layer
-by the builder), transforms/ (the engine and lock), contracts/, expected/scenarios.json.
+by the builder), transforms/ (the engine and lock), contracts/ (with expected/upstream-outcomes.json),
+expected/scenarios.json, and upstream/ (the pinned sdist's tests/ with an offline Hugging Face cache).
+
+Suite: labels and receipt (test_labels_receipt), transformed files at their postimage
+(test_transformed_files), the sparkcache version and entry points (test_sparkcache), the connector
+through vLLM's factory and a tiny-model publish / restart / restore (test_connector), each
+transform's scheduler scenario (test_scheduler_scenarios), upstream's tests (test_upstream).
 """
 
 from __future__ import annotations

@@ -16,3 +16,11 @@ def test_sparkcache_version(labels):
 def test_sparkcache_console_script_runs():
     proc = subprocess.run(["sparkcache", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_openai_server_entry_point_starts():
+    """The README's deploy command: the server's argument parser loads and knows the connector flag."""
+    proc = subprocess.run(["python", "-m", "vllm.entrypoints.openai.api_server", "--help"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--kv-transfer-config" in proc.stdout

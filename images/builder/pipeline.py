@@ -27,7 +27,6 @@ from images.builder.dockerenv import (
     progress,
     pull_by_digest,
     push,
-    registry_manifest_digest,
     split_ref,
 )
 from images.builder.spec import Spec, load
@@ -103,6 +102,19 @@ def record_scenarios(lock) -> dict:
     progress(f"scenarios recorded in {time.monotonic() - t0:.0f} s")
     dump_json(out, results)
     return results
+
+
+def upstream_tests(lock):
+    """(image path, bytes, mode) of upstream's tests from the lock's sdist, ready to run (contracts/test_upstream.py)."""
+    from contracts.upstream import scratch_copy
+    from transforms.sdist import fetch
+
+    sdist = fetch(CACHE / "sdist")  # verified against the lock's sha256 (already there after `make test`)
+    with tempfile.TemporaryDirectory(prefix="upstream-", dir=CACHE) as tmp:
+        scratch = scratch_copy(sdist, Path(tmp) / "upstream")
+        files = list(layers.tree_files(scratch, f"{CONTRACTS_DIR}/upstream"))
+    progress(f"upstream tests from {lock.sdist['filename']}: {len(files)} files baked under {CONTRACTS_DIR}/upstream")
+    return files
 
 
 def transformed_files(client, wheels_tag: str, spec: Spec, lock) -> tuple[dict, dict]:
@@ -243,6 +255,8 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
         tar.add(path, data, mode)
     for path, data, mode in layers.tree_files(REPO_ROOT / "contracts", f"{CONTRACTS_DIR}/contracts"):
         tar.add(path, data, mode)
+    for path, data, mode in upstream_tests(lock):
+        tar.add(path, data, mode)
     build_inputs = {
         "spec": spec.name,
         "vllm_version": spec.vllm_version,
@@ -319,6 +333,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
                     *({"name": f"wheel:{w['name']}", "uri": f"pypi:{w['name']}=={w['version']}", "file": w["file"], "digest": {"sha256": w["sha256"]}} for w in wheels),
                     {"name": "sparkcache-wheel", "uri": f"file:{sc_wheel.name}", "version": sc_version, "digest": {"sha256": sc_wheel_sha}},
                     {"name": "transform-lock", "uri": str(lock_path.relative_to(REPO_ROOT)), "digest": {"sha256": lock.sha256}},
+                    {"name": "vllm-sdist", "uri": lock.sdist["url"], "file": lock.sdist["filename"], "digest": {"sha256": lock.sdist["sha256"]}},
                     {"name": "source", "uri": labels["org.opencontainers.image.source"], "digest": {"gitCommit": revision}},
                 ],
                 "files": [{"file": f["file"], "pre": f["pre"], "post": f["post"], "transforms": f["transforms"]} for f in manifest["files"]],
@@ -351,7 +366,7 @@ def find_receipt(digest: str) -> Path | None:
     return hits[0] if hits else None
 
 
-def verify(ref: str, receipt_path: Path | None = None, pytest_args: list[str] | None = None) -> int:
+def verify(ref: str, receipt_path: Path | None = None, pytest_args: list[str] | None = None, upstream: str = "image") -> int:
     repo, digest = split_ref(ref)
     receipt_path = receipt_path or find_receipt(digest)
     if receipt_path is None or not Path(receipt_path).exists():
@@ -369,8 +384,9 @@ def verify(ref: str, receipt_path: Path | None = None, pytest_args: list[str] | 
         cmd = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{CONTRACTS_DIR}/contracts", *(pytest_args or [])]
         progress(f"running the contract suite in {ref} (network none)")
         t = time.monotonic()
-        container = client.containers.create(ref, command=cmd, network_mode="none", working_dir=CONTRACTS_DIR,
-                                             volumes={tmp: {"bind": "/verify", "mode": "ro"}}, environment={"SPARKCACHE_VERIFY_DIR": "/verify"})
+        # vLLM's engine core allocates its shared-memory ring in /dev/shm (Docker's default is 64 MiB)
+        container = client.containers.create(ref, command=cmd, network_mode="none", working_dir=CONTRACTS_DIR, shm_size="2g",
+                                             volumes={tmp: {"bind": "/verify", "mode": "ro"}}, environment={"SPARKCACHE_VERIFY_DIR": "/verify", "SPARKCACHE_UPSTREAM_SCOPE": upstream})
         try:
             container.start()
             for chunk in container.logs(stream=True, follow=True):
