@@ -94,6 +94,7 @@ def test_sigkill_publisher_at_random_points(tmp_path):
         if sum(state.values()) > 600:  # keep the entries small: start new conversations
             state = {c: 0 for c in range(CONVS)}
             root = str(tmp_path / f"store{trial}")
+            open_store(root, page_blocks=BPP)  # exists even if no later trial runs (the gc below)
     assert kills_with_work > TRIALS // 5  # many children finished publications before the kill
     assert interrupted > TRIALS // 5  # and many kills landed inside a publication
     # recovery leaves no stale publication behind, and a full gc + verify is clean
