@@ -122,8 +122,13 @@ class ObjectStore:
         finally:
             for fd in fds:
                 os.close(fd)
+        return self.place([(digest, tmp_path) for digest, _, tmp_path in items])
+
+    def place(self, synced: list[tuple[str, str]]) -> set[str]:
+        """Rename durable temp files (``(digest, temp path)``) to their object paths, making
+        shard directories as needed. Returns the shard directories, which the caller fsyncs."""
         shards: set[str] = set()
-        for digest, _, tmp_path in items:
+        for digest, tmp_path in synced:
             final = self.path(digest)
             shard = os.path.dirname(final)
             if shard not in shards:

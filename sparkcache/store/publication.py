@@ -127,20 +127,10 @@ class PublicationWriter:
         finally:
             for fd, _, _ in items:
                 os.close(fd)
-        dirs = set(extra_dirs)
-        for _, digest, tmp in items:
-            if not digest:
-                continue  # the manifest: renamed by commit, after this round
-            final = self.store.objects.path(digest)
-            shard = os.path.dirname(final)
-            if shard not in dirs:
-                try:
-                    os.mkdir(shard)
-                except FileExistsError:
-                    pass
-                dirs.add(shard)
-            os.rename(tmp, final)
-            self.written_digests.add(digest)
+        # the manifest (no digest) is renamed by commit, after this round
+        objects = [(digest, tmp) for _, digest, tmp in items if digest]
+        dirs = set(extra_dirs) | self.store.objects.place(objects)
+        self.written_digests.update(digest for digest, _ in objects)
         sync_all(fsync_dir, sorted(dirs))
 
 
