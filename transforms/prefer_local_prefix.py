@@ -21,6 +21,15 @@ below L - block_size taken locally and the last block (L - block_size, L]
 loaded with the recurrent state at L: exactly one attention block is reloaded,
 the smallest load vLLM can express that yields a valid state at L. A store that
 reaches past L loads only the tokens past L (nothing resident is reloaded).
+
+The local attention depth itself: upstream's per-group lookup
+(``get_computed_blocks_for_connector``) reports it only when full attention is
+the deepest group. When the tail of the attention blocks was evicted while a
+deeper Mamba checkpoint survived, it returns the reconciled hybrid depth (often
+0) without flagging divergence, and the store would be asked for, and reload,
+the resident attention blocks below L. The transformed scheduler reports that
+case as a divergent hit at L as well, with the deeper recurrent group cut back
+to the reconciled depth.
 """
 
 from __future__ import annotations
@@ -55,11 +64,10 @@ if connector is not None and connector.supports_divergent_local_hybrid_hits:
     return self.kv_cache_manager.get_computed_blocks_for_connector(request)
 """,
     new="""
-if connector is not None and (
-    connector.supports_divergent_local_hybrid_hits
-    # getattr: upstream tests call this method on a stand-in `self`.
-    or getattr(self, "sparkcache_prefer_local_prefix", False)
-):
+# getattr: upstream tests call this method on a stand-in `self`.
+if connector is not None and getattr(self, "sparkcache_prefer_local_prefix", False):
+    return self._sparkcache_local_attention_hit(request)
+if connector is not None and connector.supports_divergent_local_hybrid_hits:
     return self.kv_cache_manager.get_computed_blocks_for_connector(request)
 """,
 )
@@ -93,6 +101,53 @@ else:
         )
     )
 """,
+)
+
+_LOCAL_ATTENTION_HIT = Edit(
+    function="Scheduler",
+    mode="append_to_class",
+    new='''
+def _sparkcache_local_attention_hit(
+    self, request: Request
+) -> tuple[KVCacheBlocks, int, int, bool]:
+    """sparkcache prefer_local_prefix: the local hit at the full-attention depth."""
+    # get_computed_blocks_for_connector reports the full-attention depth only
+    # when it is the deepest group's. When a lagging group (Mamba) kept a
+    # checkpoint deeper than the resident attention, it falls back to the
+    # reconciled hybrid depth without flagging divergence, and the resident
+    # attention blocks between the two would be asked from (and reloaded by)
+    # the store. Report that case as a divergent hit too: attention at its own
+    # depth, every deeper group at the reconciled depth.
+    manager = self.kv_cache_manager
+    hit = manager.get_computed_blocks_for_connector(request)
+    blocks, num_reconciled, _, diverged = hit
+    coordinator = manager.coordinator
+    attention_group = getattr(coordinator, "full_attention_group_id", None)
+    if (
+        diverged
+        or attention_group is None
+        or not manager.kv_cache_config.has_mamba_layers
+        or not manager.prefix_cache_lookup_enabled(request)
+    ):
+        return hit
+    per_group_blocks, per_group_hits = coordinator.find_longest_cache_hit_per_group(
+        request.block_hashes, request.num_tokens - 1
+    )
+    num_attention = per_group_hits[attention_group]
+    groups = manager.kv_cache_config.kv_cache_groups
+    deeper = [hit_len > num_attention for hit_len in per_group_hits]
+    if num_attention <= num_reconciled or any(
+        is_deeper and not isinstance(groups[gid].kv_cache_spec, MambaSpec)
+        for gid, is_deeper in enumerate(deeper)
+    ):
+        return hit
+    merged = tuple(
+        blocks.blocks[gid] if is_deeper else per_group_blocks[gid]
+        for gid, is_deeper in enumerate(deeper)
+    )
+    # Per-group lookups do not detect an uncached shared prefix (boundary 0).
+    return manager.create_kv_cache_blocks(merged), num_attention, 0, True
+''',
 )
 
 _HELPER = Edit(
@@ -171,7 +226,9 @@ TRANSFORM = Transform(
     ),
     what_changes=(
         "Scheduler.__init__ reads the opt-in key; Scheduler._get_local_prefix_cache_hit uses the per-group "
-        "(full-attention depth) lookup when opted in; Scheduler.schedule asks the connector through "
+        "(full-attention depth) lookup when opted in, through Scheduler._sparkcache_local_attention_hit, "
+        "which also reports the full-attention depth when a deeper Mamba checkpoint outlived the attention "
+        "tail (upstream falls back to the hybrid depth there); Scheduler.schedule asks the connector through "
         "Scheduler._sparkcache_prefer_local_prefix, which keeps every resident attention block below the "
         "resume point, loads only tokens past the local attention depth (or, for a tie, the last block and "
         "the recurrent state there), and clamps an external claim not past the local hit to 0 with no "
@@ -189,5 +246,5 @@ TRANSFORM = Transform(
             "the difference. Absent/false: upstream behaviour."
         )
     },
-    edits={SCHEDULER: (_READ_OPTION, _DIVERGENT_LOOKUP, _ASK_CONNECTOR, _HELPER)},
+    edits={SCHEDULER: (_READ_OPTION, _DIVERGENT_LOOKUP, _ASK_CONNECTOR, _LOCAL_ATTENTION_HIT, _HELPER)},
 )

@@ -12,6 +12,15 @@ transformed, option on
   store 80 (both)          64      16        4        80
   store 64 (both)          48      16        3        64   (last block + Mamba state at 64)
   store 0  (both)          16       0        1        16
+
+Second shape: attention resident to 48 only, the Mamba state at 80 (no common depth):
+pristine (both lookups)  local  external  reused/3  resume
+  store 96                  0      96        0        96   (3 resident blocks reloaded)
+  store 48                  0      48        0        48
+transformed, option on
+  store 96 (both)          48      48        3        96
+  store 48 (both)          32      16        2        48   (last block + Mamba state at 48)
+  store 0  (both)           0       0        0         0
 """
 
 from __future__ import annotations
@@ -62,6 +71,11 @@ def test_pristine_reloads_resident_attention(pristine):
     # ... but a tie falls back to the hybrid depth and recomputes.
     assert _hit(pristine["store64_divergent"]) == (16, 0, 1, 16)
     assert _hit(pristine["store0_default"]) == (16, 0, 1, 16)
+    # Attention shallower than a surviving Mamba checkpoint: both lookups ask the store from 0
+    # and reload every resident attention block.
+    for path in ("default", "divergent"):
+        assert _hit(pristine[f"deepmamba_store96_{path}"]) == (0, 96, 0, 96)
+        assert _hit(pristine[f"deepmamba_store48_{path}"]) == (0, 48, 0, 48)
     assert all(case["valid"] for case in pristine.values())
 
 
@@ -77,6 +91,11 @@ def test_transformed_prefers_local_attention_depth(transformed_tree, pristine):
         assert on[f"store64_{path}"]["connector_queries"][-1] == [48, 16]
         # Nothing in the store: the hybrid hit, no external claim.
         assert _hit(on[f"store0_{path}"]) == (16, 0, 1, 16)
+        # Attention resident to 48, Mamba state at 80: take the 3 resident blocks, load (48, 96].
+        assert _hit(on[f"deepmamba_store96_{path}"]) == (48, 48, 3, 96)
+        assert on[f"deepmamba_store96_{path}"]["connector_queries"][-1] == [48, 48]
+        assert _hit(on[f"deepmamba_store48_{path}"]) == (32, 16, 2, 48)
+        assert _hit(on[f"deepmamba_store0_{path}"]) == (0, 0, 0, 0)
     for name, case in on.items():
         # Correctness: every token reported computed is resident or loaded, and the
         # resume point has a valid Mamba state; never worse than pristine on reuse or depth.

@@ -6,6 +6,10 @@ admitted while the connector's store holds its first 80 tokens (store past the
 local attention depth) or its first 64 (a tie), through the default lookup and
 through upstream's divergent-hit lookup (``probe_divergent``).
 
+Second shape (``deepmamba_*``): attention resident to 48 only, the Mamba state
+cached at 80 (the attention tail above 48 evicted), so no depth is common to
+both groups; the store holds 96, 48 or 0 tokens.
+
 For every case: vLLM's local / external counts, the resume point, and how many
 of the 4 resident attention blocks the request's allocated attention blocks
 reuse (block ids compared with the ids that held that prefix before), plus a
@@ -47,12 +51,31 @@ def _seed(scheduler) -> list[int]:
     return [b.block_id for b in blocks[0][: ATTN_DEPTH // BLOCK_SIZE]]
 
 
-def _case(options_on: bool, divergent: bool, store_tokens: int) -> dict:
+DEEP_MAMBA = 80
+SHALLOW_ATTN = 48
+
+
+def _seed_deep_mamba(scheduler) -> list[int]:
+    """Attention resident to 48 only, the Mamba state cached at 80 (its attention tail evicted)."""
+    run_to_completion(scheduler, make_request("seed-deep", PROMPT[: DEEP_MAMBA + 1], max_tokens=1))
+    probe = make_request("probe", PROMPT, max_tokens=1)
+    coordinator = scheduler.kv_cache_manager.coordinator
+    pool = scheduler.kv_cache_manager.block_pool
+    blocks, hits = coordinator.find_longest_cache_hit_per_group(probe.block_hashes, probe.num_tokens - 1)
+    assert hits[1] == DEEP_MAMBA, hits
+    pool.evict_blocks({b.block_id for b in blocks[0][SHALLOW_ATTN // BLOCK_SIZE :]})
+    blocks, hits = coordinator.find_longest_cache_hit_per_group(probe.block_hashes, probe.num_tokens - 1)
+    assert tuple(hits) == (SHALLOW_ATTN, DEEP_MAMBA), hits
+    assert scheduler.kv_cache_manager.get_computed_blocks(probe)[1] == 0  # no common depth
+    return [b.block_id for b in blocks[0][: SHALLOW_ATTN // BLOCK_SIZE]]
+
+
+def _case(options_on: bool, divergent: bool, store_tokens: int, seed=_seed) -> dict:
     extra = {"probe_divergent": divergent}
     if options_on:
         extra["sparkcache_prefer_local_prefix"] = True
     scheduler = make_hybrid_scheduler(num_blocks=100, extra_config=extra)
-    resident = _seed(scheduler)
+    resident = seed(scheduler)
     request = make_request("turn", PROMPT, max_tokens=1)
     before_hits = per_group_hits(scheduler, request)
     scheduler.connector.store_prefix(PROMPT[:store_tokens])
@@ -87,11 +110,21 @@ def _case(options_on: bool, divergent: bool, store_tokens: int) -> dict:
 
 
 def run(options_on: bool) -> dict:
-    return {
+    cases = {
         f"store{store}_{'divergent' if div else 'default'}": _case(options_on, div, store)
         for store in (80, 64, 0)
         for div in (False, True)
     }
+    cases.update(
+        {
+            f"deepmamba_store{store}_{'divergent' if div else 'default'}": _case(
+                options_on, div, store, _seed_deep_mamba
+            )
+            for store in (96, 48, 0)
+            for div in (False, True)
+        }
+    )
+    return cases
 
 
 if __name__ == "__main__":
