@@ -36,6 +36,10 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                   "captures_publish_failed": "publish_failed",
                   "captures_skipped_slots_full": "skipped_slots_full",
                   "captures_skipped_too_large": "skipped_too_large"}),
+    "evictions": ("Entries evicted or expired by maintenance.", None, {"evicted_entries": ""}),
+    "bytes_reclaimed": ("Bytes reclaimed by maintenance from evicted entries.", None,
+                        {"bytes_reclaimed": ""}),
+    "maintenance_passes": ("Maintenance passes run by the workers.", None, {"maintenance_passes": ""}),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "publication_pending_slots": ("Capture slots waiting for or under publication.", "pending_slots"),
@@ -47,6 +51,12 @@ GAUGES: dict[str, tuple[str, str]] = {
     "entries": ("Published entries in the store.", "entries"),
     "captures_unsettled": ("Planned captures whose outcome the workers have not reported yet.",
                            "unsettled_captures"),
+    "maintenance_last_pass_duration_seconds": ("Wall time of the last maintenance pass.",
+                                               "maintenance_last_pass_duration_seconds"),
+    "maintenance_remaining_entries": ("Entries the last pass left over its budget.",
+                                      "maintenance_remaining_entries"),
+    "maintenance_healthy": ("1 while the writer's maintenance thread runs, 0 after it failed.",
+                            "maintenance_healthy"),
     "pending_block_frees": ("Finished requests whose blocks wait for a capture copy or a restore.", "pending_block_frees"),
 }
 

@@ -1,0 +1,107 @@
+"""A writing worker keeps its store under max_bytes: the store's maintenance thread runs in
+the connector, and its passes reach vLLM's stats (evictions, bytes reclaimed, pass gauges).
+
+Real parts: vLLM 0.32.0's KV cache config types, torch KV tensors laid out as vLLM hands
+them to the connector (blocks at dim 0), sparkcache's worker half and its store on disk.
+The scheduler half is not involved: the capture plans are the ones it would send.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sparkcache.connector.connector import _open_store
+from sparkcache.connector.keys import BlockKeys
+from sparkcache.connector.scheduler_side import CapturePlan
+from sparkcache.connector.stats import COUNTERS, GAUGES
+from sparkcache.connector.worker_side import WorkerSide
+from sparkcache.settings import load_settings
+from sparkcache.store import Identity, PageStore
+from sparkcache.store.maintenance import pass_due
+
+BLOCK = 32
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+NUM_BLOCKS = 64
+BLOCKS_PER_ENTRY = 32  # 32 blocks x 2 layers x 2 (K, V) x 32 tokens x 2 heads x 32 x 4 bytes = 1 MiB
+
+
+def _kv_cache_config():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+
+
+def _worker(root, mode: str) -> WorkerSide:
+    settings = load_settings(env={}, extra_config={
+        "root": str(root), "access_mode": mode, "max_bytes": "3MiB", "low_watermark_bytes": "2MiB",
+        "min_span_tokens": BLOCK, "capture_slots": 2, "capture_slot_bytes": "2MiB",
+        "maintenance_interval_seconds": 0.05})
+    identity = Identity("maint-test", "fp32-2x2x32", BLOCK, 0, "untransformed")
+    store = _open_store(settings, metrics=None)  # the connector's own choice per access mode
+    worker = WorkerSide(settings, identity, store, _kv_cache_config(), True)
+    torch.manual_seed(0)
+    worker.register_kv_caches({name: torch.randn(NUM_BLOCKS, 2, BLOCK, 2, 32) for name in LAYERS})
+    return worker
+
+
+def _stats_until(worker: WorkerSide, totals: dict, gauges: dict, done, timeout: float = 60.0) -> None:
+    """Add the worker's stats into ``totals`` / ``gauges`` (as vLLM would ship them) until ``done``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c, g = worker.take_stats(time.monotonic())
+        for k, v in c.items():
+            totals[k] = totals.get(k, 0) + v
+        gauges.update(g)
+        if done():
+            return
+        time.sleep(0.05)
+
+
+def test_read_write_worker_evicts_to_the_watermark_and_reports_it(tmp_path):
+    worker = _worker(tmp_path / "store", "read-write")
+    try:
+        assert worker.maintenance is not None
+        counters: dict[str, float] = {}
+        gauges: dict[str, float] = {}
+        for i in range(6):  # 6 x 1 MiB entries into a 3 MiB store
+            tokens = [1000 * (i + 1) + t for t in range(BLOCKS_PER_ENTRY * BLOCK + 1)]
+            for kv in worker.kv.values():  # each conversation's own KV bytes (no shared pages)
+                kv.random_(0, 256)
+            worker.capture(CapturePlan(f"req-{i}", BlockKeys(BLOCK).upto(tokens, BLOCKS_PER_ENTRY), 0,
+                                       [list(range(BLOCKS_PER_ENTRY))]))
+            # one publication at a time (each waits for its outcome)
+            _stats_until(worker, counters, gauges, lambda: counters.get("captures_published", 0)
+                         + counters.get("captures_publish_failed", 0) == i + 1)
+        _stats_until(worker, counters, gauges, lambda: not pass_due(worker.store) and (
+            counters.get("evicted_entries", 0) == 6 - worker.store.capacity().entries))
+    finally:
+        worker.close()
+    capacity = worker.store.capacity()
+    assert capacity.used_bytes <= capacity.max_bytes, capacity
+    # 6 x 1 MiB (+ a manifest each) into 3 MiB: every third publication crosses max_bytes and a
+    # pass evicts the oldest entries down to the 2 MiB low watermark.
+    assert counters["captures_published"] == 6 and counters["evicted_entries"] >= 2, counters
+    assert capacity.entries == 6 - counters["evicted_entries"]
+    assert counters["bytes_reclaimed"] >= counters["evicted_entries"] * 2**20
+    assert counters["maintenance_passes"] >= 1
+    assert gauges["maintenance_healthy"] == 1.0
+    assert gauges["maintenance_last_pass_duration_seconds"] > 0
+    # every number shipped has a vllm:sparkcache_* metric behind it
+    shipped = {key for _, _, keys in COUNTERS.values() for key in keys} | {key for _, key in GAUGES.values()}
+    assert {"evicted_entries", "bytes_reclaimed", "maintenance_passes"} <= shipped
+    assert {"maintenance_healthy", "maintenance_remaining_entries",
+            "maintenance_last_pass_duration_seconds"} <= shipped
+
+
+def test_restore_only_worker_runs_no_maintenance(tmp_path):
+    PageStore.from_settings(load_settings(env={}, extra_config={"root": str(tmp_path / "store")}))
+    worker = _worker(tmp_path / "store", "restore-only")
+    try:
+        assert worker.maintenance is None
+        assert "maintenance_healthy" not in worker.take_stats(time.monotonic())[1]
+    finally:
+        worker.close()
