@@ -194,6 +194,10 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                minimum=_MiB, maximum=1 << 40),
     SettingRow("MIN_SPAN_TOKENS", "int", 256, "Do not publish or restore spans shorter than "
                "this many tokens.", minimum=0, maximum=1 << 24),
+    SettingRow("SYNC_LOADS", "bool", True, "Restore in the step that schedules the request "
+               "(read and verified before any byte is placed; a failure is reported as invalid "
+               "blocks, which vLLM recomputes) instead of asynchronously, which costs one more "
+               "engine step. Only attention-only single-group models; others load asynchronously."),
     SettingRow("PAGE_BLOCKS", "int", 16, "KV blocks per page object; a growing entry rewrites "
                "only its tail page.", minimum=1, maximum=4096),
     SettingRow("MAINTENANCE_MAX_ENTRIES", "int", 64, "Budget: entries one maintenance pass "
@@ -225,6 +229,7 @@ class Settings:
     capture_slots: int
     capture_slot_bytes: int
     min_span_tokens: int
+    sync_loads: bool
     page_blocks: int
     maintenance_max_entries: int
     maintenance_max_bytes: int

@@ -55,6 +55,16 @@ class AttributionRecord:
         self.recomputed_tokens = p - computed
         self.reason = "prefill_running"
 
+    def restore_undone(self, tokens: int) -> None:
+        """A synchronous restore admitted with ``tokens`` external tokens failed: nothing was
+        placed, vLLM recomputes them (and discards the step's output)."""
+        tokens = min(max(tokens, 0), self.external_tokens)
+        self.external_tokens -= tokens
+        self.recomputed_tokens += tokens
+        if self.prefill_done:
+            self.prefill_done = self.complete = False
+            self.reason = "prefill_running"
+
     def mark_prefill_done(self) -> None:
         if not self.prefill_done and self.admissions:
             self.prefill_done = True

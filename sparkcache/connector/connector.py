@@ -45,11 +45,17 @@ class SparkcacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class SparkcacheWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, per step: request ids whose capture settled (one entry per worker)."""
+    """Worker -> scheduler, per step: request ids whose capture settled (one entry per worker),
+    and the outcome of this step's synchronous loads (a request fails if any worker failed)."""
     settled: list[str] = field(default_factory=list)
+    sync_loaded: list[str] = field(default_factory=list)
+    sync_failed: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "SparkcacheWorkerMetadata":
-        return SparkcacheWorkerMetadata(self.settled + list(getattr(other, "settled", ())))
+        failed = list(dict.fromkeys(self.sync_failed + list(getattr(other, "sync_failed", ()))))
+        loaded = [r for r in dict.fromkeys(self.sync_loaded + list(getattr(other, "sync_loaded", ())))
+                  if r not in failed]
+        return SparkcacheWorkerMetadata(self.settled + list(getattr(other, "settled", ())), loaded, failed)
 
 
 def _settings_from(vllm_config: Any):
@@ -213,7 +219,9 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()  # failures are reported per request (failed_recving): safe for hybrid layouts
+        # Asynchronous loads report failures per request (failed_recving): safe for hybrid
+        # layouts; synchronous ones (single KV group only) as their destination blocks.
+        return self._worker.take_invalid_block_ids() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> SparkcacheStats | None:
         stats = SparkcacheStats()
@@ -237,7 +245,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None
         settled = self._worker.take_settled()
-        return SparkcacheWorkerMetadata(settled) if settled else None
+        loaded, failed = self._worker.take_sync_outcomes()
+        return SparkcacheWorkerMetadata(settled, loaded, failed) if settled or loaded or failed else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparkcacheStats:

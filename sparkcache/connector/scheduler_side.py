@@ -6,8 +6,12 @@ Per request it keeps one ``_ReqState``. The flow:
   request's identity, in whole blocks, never the last prompt token; only what lies beyond
   ``n_local`` is offered (with the prefer-local transform the scheduler passes the local
   attention depth, so resident pages are never offered). Spans shorter than
-  ``min_span_tokens`` are not offered. Loads are asynchronous, so a failure can be
-  reported per request (``failed_recving``), which also works for hybrid models.
+  ``min_span_tokens`` are not offered. With ``sync_loads`` (attention-only, one KV group)
+  the load is synchronous: the request is scheduled in this step and the worker reads,
+  verifies and places the pages before the forward; a failure places nothing and is
+  reported as invalid blocks (vLLM recomputes them) and in the worker meta. Otherwise
+  loads are asynchronous, so a failure can be reported per request (``failed_recving``),
+  which also works for hybrid models, at the price of one more engine step.
 - ``update_state_after_alloc``: a load plan (keys, first block, destination blocks).
 - ``build_connector_meta``: hands load and capture plans to the workers and records each
   admission for attribution.
@@ -45,6 +49,7 @@ class LoadPlan:
     keys: list[str]           # keys of blocks [0, end_block)
     start_block: int          # first block to place (blocks before it are local)
     block_ids: list[list[int]]  # per KV group: destination block ids of [start_block, end_block)
+    sync: bool = False        # placed before this step's forward; failures as invalid blocks
 
 
 @dataclass
@@ -64,6 +69,8 @@ class _ReqState:
     load_plan: LoadPlan | None = None      # planned, not yet reported by the workers
     load_tokens: int = 0
     load_done_ok: int = 0                  # restored tokens reported ok, not yet consumed
+    sync_load_tokens: int = 0              # synchronous load planned this step, not yet admitted
+    sync_consumed: int = 0                 # external tokens of the synchronous load admitted
     restore_refused: bool = False
     finished: bool = False
 
@@ -88,6 +95,8 @@ class SchedulerSide:
         self.attention_only = attention_only
         self.num_groups = num_groups
         self.bpp = settings.page_blocks
+        # vLLM maps invalid block ids back to requests only for a single KV group.
+        self.sync_loads = bool(getattr(settings, "sync_loads", False)) and attention_only and num_groups == 1
         self.reqs: dict[str, _ReqState] = {}
         self.loads_to_send: list[LoadPlan] = []
         self.captures_to_send: list[CapturePlan] = []
@@ -128,7 +137,7 @@ class SchedulerSide:
         if offered < max(1, self.settings.min_span_tokens):
             offered = 0
         st.last_query = (num_computed_tokens, offered)
-        return offered, offered > 0
+        return offered, offered > 0 and not self.sync_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -143,8 +152,11 @@ class SchedulerSide:
         end = start + num_external_tokens // bs
         group_ids = blocks.get_block_ids()
         plan = LoadPlan(request.request_id, self._keys(st, end), start,
-                        [list(ids[start:end]) for ids in group_ids])
-        st.load_plan, st.load_tokens = plan, num_external_tokens
+                        [list(ids[start:end]) for ids in group_ids], sync=self.sync_loads)
+        if plan.sync:  # placed in this step, before the forward: nothing stays in flight
+            st.sync_load_tokens = num_external_tokens
+        else:
+            st.load_plan, st.load_tokens = plan, num_external_tokens
         self.loads_to_send.append(plan)
         self.counters.add("offered_tokens", num_external_tokens)
 
@@ -174,7 +186,10 @@ class SchedulerSide:
         consumed = 0
         if st.load_done_ok and num_computed >= st.load_done_ok:
             consumed = st.load_done_ok  # the restore is consumed by this admission
-        st.load_done_ok = 0
+        elif st.sync_load_tokens and num_computed >= st.sync_load_tokens:
+            consumed = st.sync_load_tokens  # placed before this step's forward (undone on failure)
+        st.sync_consumed = consumed if st.sync_load_tokens else 0
+        st.load_done_ok = st.sync_load_tokens = 0
         st.record.admit(num_computed, consumed, resumed=resumed)
         self._progress(st, num_computed, out)
 
@@ -202,7 +217,23 @@ class SchedulerSide:
             st.load_plan, st.load_tokens = None, 0
         for req_id in output.finished_sending or ():
             self.awaiting_send.discard(req_id)
-        for req_id in getattr(getattr(output, "kv_connector_worker_meta", None), "settled", ()) or ():
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        for req_id in getattr(worker_meta, "sync_loaded", ()) or ():
+            st = self.reqs.get(req_id)
+            if st is not None:
+                st.sync_consumed = 0
+        for req_id in getattr(worker_meta, "sync_failed", ()) or ():
+            # Nothing was placed; vLLM recomputes from the first invalid block (or fails the
+            # request, with kv_load_failure_policy="fail").
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            st.restore_refused = True
+            st.record.failed_restores += 1
+            st.record.restore_undone(st.sync_consumed)
+            st.sync_consumed = 0
+            self.counters.add("restores_failed_sched")
+        for req_id in getattr(worker_meta, "settled", ()) or ():
             owed, deadline = self.unsettled.get(req_id, (0, 0.0))
             if owed > 1:
                 self.unsettled[req_id] = (owed - 1, deadline)

@@ -7,10 +7,13 @@ per-layer views with blocks at dim 0). A page whose size does not match this lay
 refused like a corrupt one.
 
 Restores read and verify (sha256) every page they need before any byte is placed; a
-failure reports the request in ``finished_recving`` and ``failed_recving``, so with
-``kv_load_failure_policy="recompute"`` vLLM recomputes it; nothing is written into the
-KV cache. Hybrid models (non-attention groups): restores are refused and captures skipped
-(recurrent-state capture is not implemented on the worker).
+failure of an asynchronous load reports the request in ``finished_recving`` and
+``failed_recving``, of a synchronous one (``plan.sync``: placed before this step's forward)
+its destination blocks as invalid (``get_block_ids_with_load_errors``) and the request in
+the worker meta (``sync_failed``); either way, with ``kv_load_failure_policy="recompute"``
+vLLM recomputes it, and nothing is written into the KV cache. Hybrid models (non-attention
+groups): restores are refused and captures skipped (recurrent-state capture is not
+implemented on the worker).
 
 A writing worker (read-write, store-only) also runs the store's maintenance thread: bounded
 passes evict toward the low watermark when the store is above max_bytes (above it new
@@ -41,6 +44,17 @@ class _PublishJob:
     pages: list[Any]
 
 
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position, first block id, length)`` of each run of consecutive ids."""
+    out: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(ids):
+        if out and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((pos, b, 1))
+    return out
+
+
 class WorkerSide:
     def __init__(self, settings: Any, identity: Any, store: Any, kv_cache_config: Any,
                  attention_only: bool, metrics: Any = None) -> None:
@@ -54,6 +68,9 @@ class WorkerSide:
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
+        self.invalid_block_ids: set[int] = set()   # synchronous loads that failed, this step
+        self.sync_loaded: list[str] = []
+        self.sync_failed: list[str] = []
         self.counters: dict[str, float] = {}
         self._settled: list[str] = []       # capture plans with a final outcome, not yet taken
         self._settled_reported: list[str] = []  # taken with the last stats, for the worker meta
@@ -104,13 +121,20 @@ class WorkerSide:
             ok = self._load(plan)
         except Exception:
             logger.exception("sparkcache: restore of %s failed", plan.req_id)
-        self.finished_recving.add(plan.req_id)
+        if getattr(plan, "sync", False):
+            (self.sync_loaded if ok else self.sync_failed).append(plan.req_id)
+            if not ok:
+                for ids in plan.block_ids[:1]:  # sync plans exist for one KV group only
+                    self.invalid_block_ids.update(ids)
+        else:
+            self.finished_recving.add(plan.req_id)
+            if not ok:
+                self.failed_recving.add(plan.req_id)
         if ok:
             self._add("restores_ok")
             self._add("restored_tokens", sum(len(ids) for ids in plan.block_ids[:1]) *
                       self.identity.block_size)
         else:
-            self.failed_recving.add(plan.req_id)
             self._add("restores_failed")
 
     def _load(self, plan: Any) -> bool:
@@ -156,14 +180,17 @@ class WorkerSide:
                 src_all = torch.frombuffer(page, dtype=torch.uint8)
                 offset = 0
                 for g in range(len(self.group_layers)):
-                    ids = plan.block_ids[g][lo - start:hi - start]
+                    runs = _runs(plan.block_ids[g][lo - start:hi - start])
                     for name in self._layers(g):
                         dst = self.kv[name]
                         bb = dst[0].numel()
                         layer_src = src_all[offset:offset + nblk * bb].view(nblk, *dst.shape[1:])
+                        layer_src = layer_src[lo - page_first:hi - page_first]
                         offset += nblk * bb
-                        idx = torch.tensor(ids, dtype=torch.long, device=dst.device)
-                        dst[idx] = layer_src[lo - page_first:hi - page_first].to(dst.device)
+                        # One slice copy per run of consecutive block ids (a memcpy; indexed
+                        # assignment of uint8 rows is element-wise and ~50x slower on CPU).
+                        for i, first_id, n in runs:
+                            dst[first_id:first_id + n].copy_(layer_src[i:i + n])
         return True
 
     # ------------------------------------------------------------------ capture
@@ -240,6 +267,15 @@ class WorkerSide:
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
         out = (self.finished_sending, self.finished_recving, self.failed_recving)
         self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
+        return out
+
+    def take_invalid_block_ids(self) -> set[int]:
+        out, self.invalid_block_ids = self.invalid_block_ids, set()
+        return out
+
+    def take_sync_outcomes(self) -> tuple[list[str], list[str]]:
+        out = (self.sync_loaded, self.sync_failed)
+        self.sync_loaded, self.sync_failed = [], []
         return out
 
     def take_stats(self, now: float, gauge_interval_s: float = 1.0) -> tuple[dict, dict]:

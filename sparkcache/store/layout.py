@@ -130,12 +130,24 @@ def _forget_pools_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
+def _run_on_every_allowed_cpu() -> None:
+    """Pool thread initializer: run on any CPU the process's cpuset allows, not only the
+    cores the creating thread was pinned to. vLLM's CPU backend pins the whole worker to its
+    OpenMP cores, which put every read and sha256 of a restore on the core the model was
+    about to use while the others idled. The kernel intersects the mask with the cpuset."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (OSError, AttributeError):
+        pass  # no such call (non-Linux) or an empty intersection: the inherited mask stays
+
+
 def _executor(pool: str):
     executor = _POOLS.get(pool)
     if executor is None:
         from concurrent.futures import ThreadPoolExecutor
         executor = _POOLS[pool] = ThreadPoolExecutor(max_workers=_POOL_SIZES[pool],
-                                                     thread_name_prefix=f"sparkcache-{pool}")
+                                                     thread_name_prefix=f"sparkcache-{pool}",
+                                                     initializer=_run_on_every_allowed_cpu)
     return executor
 
 

@@ -9,8 +9,7 @@ import random
 
 
 
-from .scheduler_scenarios import (BS, finish_all, make_scheduler, record_of, request, step,
-                                  store_prefix)
+from .scheduler_scenarios import finish_all, make_scheduler, record_of, request, step, store_prefix
 
 
 def _prompt(n: int, seed: int) -> list[int]:

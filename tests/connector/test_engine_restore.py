@@ -15,7 +15,6 @@ One module-scoped sequence of engine lives on one store root, each in its own pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
