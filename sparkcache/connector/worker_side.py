@@ -15,25 +15,22 @@ vLLM recomputes it, and nothing is written into the KV cache. Hybrid models (non
 groups): restores are refused and captures skipped (recurrent-state capture is not
 implemented on the worker).
 
-A writing worker (read-write, store-only) also runs the store's maintenance thread: bounded
-passes evict toward the low watermark when the store is above max_bytes (above it new
-publications are refused), triggered after each publication and at least every
-``maintenance_interval_seconds``.
+A writing worker (read-write, store-only) also runs the store's maintenance
+(``worker_maintenance``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from sparkcache.store import MaintenanceThread, PassBudget, PassReport
 from sparkcache.store.manifests import pages_needed
 from sparkcache.store.objects import ObjectError
 
 from .capture_slots import CaptureSlots
+from .worker_maintenance import WorkerMaintenance
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -76,20 +73,11 @@ class WorkerSide:
         self._settled_reported: list[str] = []  # taken with the last stats, for the worker meta
         self._gauges_at = float("-inf")
         self.slots = None
-        self.maintenance: MaintenanceThread | None = None
-        self._pass_lock = threading.Lock()
-        self._pass_counters: dict[str, float] = {}
-        self._pass_gauges: dict[str, float] = {}
-        self._maintenance_error_logged = False
+        self.maintenance: WorkerMaintenance | None = None
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
                                       self._publish, metrics)
-            # The writer keeps its store under max_bytes: bounded passes off the serving
-            # threads, at the process's own priority (a niced thread misses its wall-clock
-            # budget on a saturated CPU; docs/SIZING.md).
-            self.maintenance = MaintenanceThread(
-                store, PassBudget.from_settings(settings), settings.maintenance_interval_seconds,
-                nice=None, on_report=self._on_pass, keep_reports=100).start()
+            self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
     def _add(self, name: str, n: float = 1) -> None:
         if n:
@@ -236,32 +224,6 @@ class WorkerSide:
             self.maintenance.trigger()
         return result
 
-    def _on_pass(self, report: PassReport) -> None:
-        """Runs on the maintenance thread: fold one pass into the next stats."""
-        with self._pass_lock:
-            for key, n in (("evicted_entries", report.entries_evicted + report.entries_expired),
-                           ("bytes_reclaimed", report.bytes_reclaimed),
-                           ("maintenance_passes", 1)):
-                if n:
-                    self._pass_counters[key] = self._pass_counters.get(key, 0) + n
-            self._pass_gauges.update(maintenance_last_pass_duration_seconds=report.duration_s,
-                                     maintenance_remaining_entries=report.remaining_entries)
-
-    def _take_maintenance(self) -> tuple[dict, dict]:
-        if self.maintenance is None:
-            return {}, {}
-        if self.maintenance.error is not None and not self._maintenance_error_logged:
-            self._maintenance_error_logged = True
-            logger.error("sparkcache: maintenance of %s stopped on %r; the store is no longer kept "
-                         "under max_bytes and publications will be refused once it is full. Fix the "
-                         "cause, run `sparkcache gc --root %s`, then restart the server.",
-                         self.settings.root, self.maintenance.error, self.settings.root)
-        with self._pass_lock:
-            counters, self._pass_counters = self._pass_counters, {}
-            gauges, self._pass_gauges = self._pass_gauges, {}
-        gauges["maintenance_healthy"] = 0.0 if self.maintenance.error is not None else 1.0
-        return counters, gauges
-
     # ------------------------------------------------------------------ results
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
@@ -291,7 +253,7 @@ class WorkerSide:
             settled += self.slots.take_settled()
         self._settled_reported += settled
         counters, self.counters = self.counters, {}
-        pass_counters, gauges = self._take_maintenance()
+        pass_counters, gauges = self.maintenance.take() if self.maintenance is not None else ({}, {})
         for key, n in pass_counters.items():
             counters[key] = counters.get(key, 0) + n
         if self.slots is not None:

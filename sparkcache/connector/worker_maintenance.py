@@ -1,0 +1,63 @@
+"""The writing worker's store maintenance, and its numbers for vLLM's stats.
+
+A worker that publishes (read-write, store-only) keeps its rank's store under max_bytes
+(above it new publications are refused): the store's ``MaintenanceThread`` runs bounded
+passes at the process's own priority (a niced thread misses its wall-clock budget on a
+saturated CPU; docs/SIZING.md), at least ``maintenance_interval_seconds`` apart and woken
+after each publication. Each pass is folded into the counters and gauges the worker ships
+with its next stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from sparkcache.store import MaintenanceThread, PassBudget, PassReport
+
+logger = logging.getLogger("sparkcache.connector")
+
+
+class WorkerMaintenance:
+    def __init__(self, store: Any, settings: Any) -> None:
+        self.root = settings.root
+        self._lock = threading.Lock()
+        self._counters: dict[str, float] = {}
+        self._gauges: dict[str, float] = {}
+        self._error_logged = False
+        self.thread = MaintenanceThread(
+            store, PassBudget.from_settings(settings), settings.maintenance_interval_seconds,
+            nice=None, on_report=self._on_pass, keep_reports=100).start()
+
+    def trigger(self) -> None:
+        self.thread.trigger()
+
+    def stop(self) -> None:
+        self.thread.stop()
+
+    def _on_pass(self, report: PassReport) -> None:
+        """Runs on the maintenance thread: fold one pass into the next stats."""
+        with self._lock:
+            for key, n in (("evicted_entries", report.entries_evicted + report.entries_expired),
+                           ("bytes_reclaimed", report.bytes_reclaimed),
+                           ("maintenance_passes", 1)):
+                if n:
+                    self._counters[key] = self._counters.get(key, 0) + n
+            self._gauges.update(maintenance_last_pass_duration_seconds=report.duration_s,
+                                maintenance_remaining_entries=report.remaining_entries)
+
+    def take(self) -> tuple[dict, dict]:
+        """Counter deltas and gauges since the last call (the health gauge every time)."""
+        error = self.thread.error
+        if error is not None and not self._error_logged:
+            self._error_logged = True
+            logger.error("sparkcache: maintenance of %s stopped on %r; the store is no longer kept "
+                         "under max_bytes and publications will be refused once it is full. Fix the "
+                         "cause, run `sparkcache gc --root %s`, then restart the server.",
+                         self.root, error, self.root)
+        with self._lock:
+            counters, self._counters = self._counters, {}
+            gauges, self._gauges = self._gauges, {}
+        gauges["maintenance_healthy"] = 0.0 if error is not None else 1.0
+        return counters, gauges
