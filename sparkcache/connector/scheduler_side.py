@@ -96,7 +96,7 @@ class SchedulerSide:
         self.num_groups = num_groups
         self.bpp = settings.page_blocks
         # vLLM maps invalid block ids back to requests only for a single KV group.
-        self.sync_loads = bool(getattr(settings, "sync_loads", False)) and attention_only and num_groups == 1
+        self.sync_loads = settings.sync_loads and attention_only and num_groups == 1
         self.reqs: dict[str, _ReqState] = {}
         self.loads_to_send: list[LoadPlan] = []
         self.captures_to_send: list[CapturePlan] = []

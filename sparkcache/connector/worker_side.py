@@ -109,7 +109,7 @@ class WorkerSide:
             ok = self._load(plan)
         except Exception:
             logger.exception("sparkcache: restore of %s failed", plan.req_id)
-        if getattr(plan, "sync", False):
+        if plan.sync:
             (self.sync_loaded if ok else self.sync_failed).append(plan.req_id)
             if not ok:
                 for ids in plan.block_ids[:1]:  # sync plans exist for one KV group only
