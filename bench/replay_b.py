@@ -72,7 +72,7 @@ def pages_for(keys: list[str], bpp: int, block_bytes: int) -> list[bytes]:
 # ----------------------------------------------------------------------------- the rank (child)
 
 def _nice_this_thread(nice: int) -> None:
-    """Capture and publication (the CPU-heavy part: page copies, sha256) run niced, as a
+    """Capture and publication (the CPU-heavy part: page copies, hashing) run niced, as a
     serving process would run them; the maintenance thread keeps ``--maintenance-nice``."""
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 

@@ -6,7 +6,9 @@ blocks of the page, block after block (``kv_caches[layer][block_id]``; vLLM 0.32
 per-layer views with blocks at dim 0). A page whose size does not match this layout is
 refused like a corrupt one.
 
-Restores read and verify (sha256) every page they need before any byte is placed; a
+Restores map and verify (BLAKE3) every page they need before any byte is placed (read-only
+mappings of the immutable objects: hashed in the page cache, then copied once, into the
+blocks; ``ObjectStore.map_verified``); a
 failure of an asynchronous load reports the request in ``finished_recving`` and
 ``failed_recving``, of a synchronous one (``plan.sync``: placed before this step's forward)
 its destination blocks as invalid (``get_block_ids_with_load_errors``) and the request in
@@ -141,7 +143,7 @@ class WorkerSide:
         first_page, last_page = start // self.bpp, pages_needed(end, self.bpp)
         refs = list(handle.pages[first_page:last_page])
         try:
-            pages = self.store.objects.read_many_verified(refs)
+            pages = self.store.objects.read_many_verified(refs, mapped=True)
         except ObjectError as exc:
             logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
             if self.store.metrics is not None:

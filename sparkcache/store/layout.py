@@ -1,7 +1,7 @@
 """On-disk layout of one store and the durable file operations it is built from.
 
     ROOT/NAMESPACE/
-      objects/ab/cdef...   page objects, named by the sha256 of their bytes
+      objects/ab/cdef...   page objects, named by the BLAKE3 of their bytes
       manifests/<identity digest>/<entry id>.mf   one per published entry
       staging/<token>.intent + staging/<token>/    one per in-flight publication
       pins/<entry id>.<token>.pin                  leases protecting entries
@@ -87,7 +87,7 @@ class StoreLayout:
 
     def object_path(self, digest: str) -> str:
         if not is_object_digest(digest):
-            raise UnsafePathError(f"object name {digest!r} is not a sha256 hex digest")
+            raise UnsafePathError(f"object name {digest!r} is not a 64-hex-char BLAKE3 digest")
         return os.path.join(self.objects_dir, digest[:2], digest[2:])
 
     def identity_dir(self, identity_digest: str) -> str:
@@ -119,7 +119,10 @@ def open_nofollow(path: str) -> int:
 
 
 _POOLS: dict = {}
-_POOL_SIZES = {"io": 8, "maintenance": 16}  # maintenance: one unlink batch at once
+# io: a cold object read waits on the disk 128 KiB of readahead at a time, so reads need
+# depth (256 cold 1 MiB objects, verified: 8 threads 0.49, 16 threads 0.68, 32 threads 0.62
+# of raw sequential read here). maintenance: one unlink batch at once.
+_POOL_SIZES = {"io": 16, "maintenance": 16}
 
 
 def _forget_pools_in_child() -> None:
@@ -133,7 +136,7 @@ os.register_at_fork(after_in_child=_forget_pools_in_child)
 def _run_on_every_allowed_cpu() -> None:
     """Pool thread initializer: run on any CPU the process's cpuset allows, not only the
     cores the creating thread was pinned to. vLLM's CPU backend pins the whole worker to its
-    OpenMP cores, which put every read and sha256 of a restore on the core the model was
+    OpenMP cores, which put every read and hash of a restore on the core the model was
     about to use while the others idled. The kernel intersects the mask with the cpuset."""
     try:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
@@ -159,7 +162,7 @@ def parallel_imap(fn, items: list, pool: str = "io"):
 
 def parallel_map(fn, items: list, pool: str = "io") -> list:
     """``[fn(x) for x in items]``, on a small thread pool when there are several items.
-    For work that releases the GIL: fsync, reads, unlinks, sha256 of large buffers.
+    For work that releases the GIL: fsync, reads, unlinks, hashing large buffers.
     ``pool`` names the pool ("io" for publication and reads, "maintenance" for passes), so
     a maintenance pass never queues behind a publication's hashing."""
     if len(items) <= 1:

@@ -5,7 +5,7 @@ File format (``<entry id>.mf``)::
     SPKM1 <sha256 hex of the body>\\n<body: canonical JSON>
 
 The body is checked against the header digest on every decode, so any flipped or lost
-byte makes the manifest ``corrupt``. Every field is validated; page names must be sha256
+byte makes the manifest ``corrupt``. Every field is validated; page names must be BLAKE3
 hex digests (never paths), so a manifest cannot point outside the store.
 """
 
@@ -20,7 +20,7 @@ from .identity import Identity, entry_id_for
 from .layout import is_entry_id, is_object_digest
 
 MAGIC = b"SPKM1 "
-FORMAT = 1
+FORMAT = 2  # 2: page objects named by BLAKE3 (1, never released: sha256)
 
 
 class ManifestError(ValueError):
@@ -34,7 +34,7 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class PageRef:
-    """One page object: its sha256 and its exact size in bytes."""
+    """One page object: its BLAKE3 name and its exact size in bytes."""
 
     digest: str
     size: int
@@ -104,7 +104,9 @@ def decode(data: bytes, *, expected_entry_id: str | None = None,
 def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
                  expected_identity_digest: str | None) -> Manifest:
     if raw.get("format") != FORMAT:
-        raise ManifestError("corrupt", f"format {raw.get('format')!r}, expected {FORMAT}")
+        raise ManifestError("corrupt", f"format {raw.get('format')!r}, this sparkcache reads format "
+                            f"{FORMAT} (pages named by BLAKE3): delete the manifest or start a new "
+                            "SPARKCACHE_NAMESPACE")
     identity = Identity.from_dict(raw["identity"])
     keys = tuple(raw["block_keys"])
     if not keys or not all(isinstance(k, str) and k for k in keys):
@@ -116,7 +118,7 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
     for item in raw["pages"]:
         digest, size = item
         if not is_object_digest(digest):
-            raise ManifestError("unsafe_path", f"page name {digest!r} is not a sha256 digest "
+            raise ManifestError("unsafe_path", f"page name {digest!r} is not a BLAKE3 digest "
                                 "(paths, '..' and absolute names are refused)")
         if not isinstance(size, int) or size < 0:
             raise ManifestError("corrupt", f"page size {size!r}")

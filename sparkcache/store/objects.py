@@ -1,6 +1,9 @@
-"""Content-addressed page objects: ``objects/ab/cdef...`` named by the sha256 of their bytes.
+"""Content-addressed page objects: ``objects/ab/cdef...`` named by the BLAKE3 (256-bit) hash
+of their bytes.
 
-Reads are always verified: the bytes are re-hashed and compared with the name. A missing
+Reads are always verified: the bytes are re-hashed and compared with the name. BLAKE3 is a
+cryptographic hash like sha256 but about 4x faster per core here (4.5 against 1.2 GB/s with
+SHA-NI); verifying every restored byte is what a restore pays over an unverified one. A missing
 object or one shorter than its recorded size is ``absent``; wrong bytes, a wrong size, a
 symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
 """
@@ -8,11 +11,15 @@ symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
 from __future__ import annotations
 
 import errno
-import hashlib
+import mmap
 import os
 import stat
 
+import blake3
+
 from .layout import StoreLayout, UnsafePathError, open_nofollow, parallel_map, start_writeback, sync_all
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
 ABSENT = "absent"
 CORRUPT = "corrupt"
@@ -29,7 +36,8 @@ class ObjectError(Exception):
 
 
 def digest_of(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+    """The object name for ``data``: its BLAKE3 hash, 64 lower-case hex characters."""
+    return blake3.blake3(data).hexdigest()
 
 
 class ObjectStore:
@@ -53,6 +61,52 @@ class ObjectStore:
 
     def read_verified(self, digest: str, size: int) -> bytes:
         """The object's bytes, re-hashed; raises ``ObjectError`` rather than return bad bytes."""
+        fd = self._open_checked(digest, size)
+        try:
+            return self._read_fd(fd, digest, size)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_fd(fd: int, digest: str, size: int) -> bytes:
+        chunks = []
+        got = 0
+        while got < size:
+            chunk = os.read(fd, size - got)
+            if not chunk:
+                raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
+            chunks.append(chunk)
+            got += len(chunk)
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        _check_digest(digest, data)
+        return data
+
+    def map_verified(self, digest: str, size: int) -> "mmap.mmap | bytes":
+        """The object's bytes, re-hashed, as a restore reads them; raises ``ObjectError``
+        rather than return bad bytes. An object in the page cache comes back as a read-only,
+        populated mapping of its file: no copy into fresh process memory, so a restore
+        hashes the page cache in place and copies each byte once, into the KV cache (a read
+        into new memory costs a page fault per 4 KiB, more than the hash here). Safe because
+        objects are immutable: written under a temp name and renamed, never rewritten in
+        place; an unlink (eviction) leaves the mapping valid (another program truncating a
+        mapped object in place would fault the reader with SIGBUS; nothing in sparkcache
+        does). An object not in the page cache is read (a read gets the kernel's readahead;
+        a populated mapping does not)."""
+        fd = self._open_checked(digest, size)
+        try:
+            if not _in_page_cache(fd, size):
+                return self._read_fd(fd, digest, size)
+            try:
+                data = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_POPULATE, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as exc:
+                raise ObjectError(ABSENT, digest, f"cannot map {size} bytes: {exc}") from None
+        finally:
+            os.close(fd)
+        _check_digest(digest, data)
+        return data
+
+    def _open_checked(self, digest: str, size: int) -> int:
+        """An fd of the object, opened without following links, with its size checked."""
         try:
             path = self.path(digest)
             self.layout.check_inside(path)
@@ -63,35 +117,28 @@ class ObjectStore:
             raise ObjectError(ABSENT, digest, "missing") from None
         try:
             _check_stat(digest, os.fstat(fd), size)
-            chunks = []
-            got = 0
-            while got < size:
-                chunk = os.read(fd, size - got)
-                if not chunk:
-                    raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
-                chunks.append(chunk)
-                got += len(chunk)
-        finally:
+        except ObjectError:
             os.close(fd)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise ObjectError(CORRUPT, digest, "bytes do not match their sha256 name")
-        return data
+            raise
+        return fd
 
-    def read_many_verified(self, refs: list) -> list[bytes]:
-        """``read_verified`` for several pages, in parallel threads (reads and sha256
-        release the GIL). Raises the first ``ObjectError`` in page order."""
-        results = parallel_map(self._read_or_error, refs)
+    def read_many_verified(self, refs: list, *, mapped: bool = False) -> list:
+        """``read_verified`` (or ``map_verified`` with ``mapped``) for several pages, in
+        parallel threads (reads and BLAKE3 release the GIL). Raises the first
+        ``ObjectError`` in page order."""
+        one = self.map_verified if mapped else self.read_verified
+
+        def read_or_error(ref) -> "bytes | mmap.mmap | ObjectError":
+            try:
+                return one(ref.digest, ref.size)
+            except ObjectError as exc:
+                return exc
+
+        results = parallel_map(read_or_error, refs)
         for item in results:
             if isinstance(item, ObjectError):
                 raise item
         return results
-
-    def _read_or_error(self, ref) -> "bytes | ObjectError":
-        try:
-            return self.read_verified(ref.digest, ref.size)
-        except ObjectError as exc:
-            return exc
 
     def exists_with_size(self, digest: str, size: int) -> bool:
         try:
@@ -166,6 +213,22 @@ class ObjectStore:
             if exc.errno != errno.ENOTDIR:
                 raise
         return out
+
+
+def _in_page_cache(fd: int, size: int) -> bool:
+    """Whether the object's last byte is in the page cache (objects are written whole, so
+    it stands for the rest): a non-blocking one-byte read, never a disk read."""
+    if size == 0 or not hasattr(os, "RWF_NOWAIT"):
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
+    except (BlockingIOError, OSError):
+        return False
+
+
+def _check_digest(digest: str, data) -> None:
+    if digest_of(data) != digest:
+        raise ObjectError(CORRUPT, digest, "bytes do not match their BLAKE3 name")
 
 
 def _check_stat(digest: str, st: os.stat_result, size: int) -> None:

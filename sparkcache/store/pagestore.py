@@ -246,14 +246,15 @@ class PageStore:
                 return bad
         return None
 
-    def read(self, handle: EntryHandle, n_blocks: int | None = None) -> ReadResult:
-        """Verified bytes of the pages holding the first ``n_blocks`` blocks."""
+    def read(self, handle: EntryHandle, n_blocks: int | None = None, *, mapped: bool = False) -> ReadResult:
+        """Verified bytes of the pages holding the first ``n_blocks`` blocks (with ``mapped``:
+        read-only mappings of the objects, as a restore reads them; see ``map_verified``)."""
         n_blocks = handle.block_count if n_blocks is None else n_blocks
         if not 0 < n_blocks <= handle.block_count:
             raise ValueError(f"read: n_blocks={n_blocks} outside 1..{handle.block_count}")
         try:
             pages = self.objects.read_many_verified(
-                list(handle.pages[: pages_needed(n_blocks, handle.blocks_per_page)]))
+                list(handle.pages[: pages_needed(n_blocks, handle.blocks_per_page)]), mapped=mapped)
         except ObjectError as exc:
             if self.metrics is not None:
                 self.metrics.on_lookup(LookupResult(0, handle.entry_id, exc.reason, str(exc)))

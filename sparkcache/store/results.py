@@ -52,7 +52,8 @@ class LookupResult:
 @dataclass(frozen=True)
 class ReadResult:
     """Verified page bytes for the first ``blocks`` blocks, or a miss with a reason.
-    ``pages`` is empty unless ``reason == "hit"``; bytes are never returned unverified."""
+    ``pages`` is empty unless ``reason == "hit"``; bytes are never returned unverified.
+    ``pages`` holds ``bytes``, or read-only ``mmap`` objects from ``read(..., mapped=True)``."""
 
     reason: str
     blocks: int = 0

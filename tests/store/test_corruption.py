@@ -58,6 +58,8 @@ def test_flip_one_byte_in_every_file(pristine, tmp_path):
             assert read is None or not read.pages
             if "/manifests/" not in path:  # the cheap lookup passes; verified lookup refuses
                 assert store.lookup(IDENT, conv_keys(conv, n), verify=True).reason == "corrupt"
+                mapped = store.read(lookup.handle, mapped=True)  # the restore's path
+                assert mapped.reason == "corrupt" and not mapped.pages
             cli = run_cli("verify", "--root", str(root))
             assert cli.returncode == 1, cli.stdout + cli.stderr
             assert path in cli.stdout and "BAD corrupt" in cli.stdout
@@ -80,8 +82,9 @@ def test_truncated_or_deleted_object_is_absent(pristine, tmp_path, damage):
     result = open_store(root, page_blocks=4).lookup(IDENT, conv_keys(1, 10))
     assert not result.hit and result.reason == "absent" and victim.split("/")[-1] in result.detail
     # a reader holding the handle from before the damage also gets a miss, not bytes
-    read = store.read(lookup.handle)
-    assert read.reason == "absent" and read.pages == ()
+    for mapped in (False, True):
+        read = store.read(lookup.handle, mapped=mapped)
+        assert read.reason == "absent" and read.pages == ()
     cli = run_cli("verify", "--root", str(root))
     assert cli.returncode == 1 and victim in cli.stdout and lookup.entry_id in cli.stdout
 
@@ -94,6 +97,28 @@ def test_truncated_manifest_is_corrupt(pristine, tmp_path):
     result = open_store(root, page_blocks=4).lookup(IDENT, conv_keys(2, 7))
     assert result.reason == "corrupt" and not result.hit
     assert run_cli("verify", "--root", str(root)).returncode == 1
+
+
+def test_manifest_of_another_format_is_a_miss_that_names_the_fix(pristine, tmp_path):
+    """A well-formed manifest of format 1 (sha256 page names) is refused as corrupt, and
+    ``verify`` says which format this sparkcache reads and what to do."""
+    import hashlib
+    import json
+
+    from sparkcache.store.manifests import MAGIC
+    root = _copy(pristine, tmp_path, "format1")
+    store = open_store(root, page_blocks=4)
+    entry = store.entry(store.lookup(IDENT, conv_keys(2, 7)).entry_id)
+    with open(entry.path, "rb") as f:
+        body = json.loads(f.read().split(b"\n", 1)[1])
+    body["format"] = 1
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    with open(entry.path, "wb") as f:
+        f.write(MAGIC + hashlib.sha256(raw).hexdigest().encode() + b"\n" + raw)
+    assert open_store(root, page_blocks=4).lookup(IDENT, conv_keys(2, 7)).reason == "corrupt"
+    cli = run_cli("verify", "--root", str(root))
+    assert cli.returncode == 1 and entry.path in cli.stdout
+    assert "reads format 2" in cli.stdout and "SPARKCACHE_NAMESPACE" in cli.stdout, cli.stdout
 
 
 def test_verify_passes_on_pristine_store(pristine):
