@@ -111,41 +111,44 @@ def _sparkcache_local_attention_hit(
     self, request: Request
 ) -> tuple[KVCacheBlocks, int, int, bool]:
     """sparkcache prefer_local_prefix: the local hit at the full-attention depth."""
-    # get_computed_blocks_for_connector reports the full-attention depth only
-    # when it is the deepest group's. When a lagging group (Mamba) kept a
-    # checkpoint deeper than the resident attention, it falls back to the
-    # reconciled hybrid depth without flagging divergence, and the resident
-    # attention blocks between the two would be asked from (and reloaded by)
-    # the store. Report that case as a divergent hit too: attention at its own
-    # depth, every deeper group at the reconciled depth.
+    # Upstream's get_computed_blocks_for_connector, with one change: when a
+    # lagging group (Mamba) kept a checkpoint deeper than the resident
+    # attention, upstream falls back to the reconciled hybrid depth without
+    # flagging divergence, and the resident attention blocks between the two
+    # would be asked from (and reloaded by) the store. Report that case as a
+    # divergent hit too: attention at its own depth, every deeper group at the
+    # reconciled depth. One per-group lookup; the reconciled lookup only runs
+    # in that lagging-deeper case (as upstream's does).
     manager = self.kv_cache_manager
-    hit = manager.get_computed_blocks_for_connector(request)
-    blocks, num_reconciled, _, diverged = hit
     coordinator = manager.coordinator
     attention_group = getattr(coordinator, "full_attention_group_id", None)
     if (
-        diverged
-        or attention_group is None
+        attention_group is None
         or not manager.kv_cache_config.has_mamba_layers
         or not manager.prefix_cache_lookup_enabled(request)
     ):
-        return hit
+        return manager.get_computed_blocks_for_connector(request)
     per_group_blocks, per_group_hits = coordinator.find_longest_cache_hit_per_group(
         request.block_hashes, request.num_tokens - 1
     )
     num_attention = per_group_hits[attention_group]
-    groups = manager.kv_cache_config.kv_cache_groups
     deeper = [hit_len > num_attention for hit_len in per_group_hits]
+    if not any(deeper):
+        # Per-group lookups do not detect an uncached shared prefix (boundary 0).
+        blocks = manager.create_kv_cache_blocks(per_group_blocks)
+        return blocks, num_attention, 0, min(per_group_hits) < num_attention
+    reconciled = manager.get_computed_blocks(request)
+    blocks, num_reconciled, _ = reconciled
+    groups = manager.kv_cache_config.kv_cache_groups
     if num_attention <= num_reconciled or any(
         is_deeper and not isinstance(groups[gid].kv_cache_spec, MambaSpec)
         for gid, is_deeper in enumerate(deeper)
     ):
-        return hit
+        return *reconciled, False
     merged = tuple(
         blocks.blocks[gid] if is_deeper else per_group_blocks[gid]
         for gid, is_deeper in enumerate(deeper)
     )
-    # Per-group lookups do not detect an uncached shared prefix (boundary 0).
     return manager.create_kv_cache_blocks(merged), num_attention, 0, True
 ''',
 )
