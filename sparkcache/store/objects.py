@@ -127,18 +127,12 @@ class ObjectStore:
         parallel threads (reads and BLAKE3 release the GIL). Raises the first
         ``ObjectError`` in page order."""
         one = self.map_verified if mapped else self.read_verified
+        return _each_in_parallel(lambda ref: one(ref.digest, ref.size), refs)
 
-        def read_or_error(ref) -> "bytes | mmap.mmap | ObjectError":
-            try:
-                return one(ref.digest, ref.size)
-            except ObjectError as exc:
-                return exc
-
-        results = parallel_map(read_or_error, refs)
-        for item in results:
-            if isinstance(item, ObjectError):
-                raise item
-        return results
+    def check_many_present(self, refs: list) -> None:
+        """``check_present`` for several pages, in parallel threads (a cold ``lstat`` is a
+        disk read); raises the first ``ObjectError`` in page order."""
+        _each_in_parallel(lambda ref: self.check_present(ref.digest, ref.size), refs)
 
     def exists_with_size(self, digest: str, size: int) -> bool:
         try:
@@ -213,6 +207,22 @@ class ObjectStore:
             if exc.errno != errno.ENOTDIR:
                 raise
         return out
+
+
+def _each_in_parallel(fn, refs: list) -> list:
+    """``[fn(ref) for ref in refs]`` on the io pool; raises the first ``ObjectError`` in
+    ``refs`` order (every call has finished by then)."""
+    def call(ref):
+        try:
+            return fn(ref)
+        except ObjectError as exc:
+            return exc
+
+    results = parallel_map(call, refs)
+    for item in results:
+        if isinstance(item, ObjectError):
+            raise item
+    return results
 
 
 def _in_page_cache(fd: int, size: int) -> bool:

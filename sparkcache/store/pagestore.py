@@ -218,14 +218,14 @@ class PageStore:
                                   f"manifest {refused.path}: {refused.detail}")
             return self._miss(NOT_FOUND, None, "no stored prefix for this identity")
         handle = _handle_of(entry)
-        for page in entry.manifest.pages_for_blocks(depth):
-            try:
-                if verify:
+        pages = list(entry.manifest.pages_for_blocks(depth))
+        try:
+            self.objects.check_many_present(pages)
+            if verify:  # one page in memory at a time: an entry can be many GiB
+                for page in pages:
                     self.objects.read_verified(page.digest, page.size)
-                else:
-                    self.objects.check_present(page.digest, page.size)
-            except ObjectError as exc:
-                return self._miss(exc.reason, entry.entry_id, str(exc))
+        except ObjectError as exc:
+            return self._miss(exc.reason, entry.entry_id, str(exc))
         lease_id = None
         if lease:
             lease_id = self.pin(entry.entry_id, idd)
