@@ -26,7 +26,8 @@ The model is ``sparkcache.tinymodel.BENCH``, a random-weight Llama made offline 
 1024, 8 layers, 16 query / 4 KV heads of 64, bf16): its compute per token against KV bytes
 per token is that of a real small model, unlike the tiny test model, which recomputes
 faster than any disk read. Both figures are in the JSON (``model``). The store's pages sit
-in the OS page cache when read (both connectors alike): a cold-disk restore is slower.
+in the OS page cache when read (both connectors alike), unless ``--cold`` drops the page cache
+in each timed life right before the timed request.
 Medians over ``--reps`` fresh restarts per arm.
 """
 
@@ -43,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.store_throughput import drop_caches
 from contracts.engine_driver import RESULT_MARKER, run_in_fresh_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,6 +135,9 @@ def _engine_life(cfg: dict) -> dict:
     if cfg.get("warmup"):
         llm.generate([TokensPrompt(prompt_token_ids=cfg["warmup"])], SamplingParams(max_tokens=1, **greedy),
                      use_tqdm=False)
+    if cfg.get("cold") and not drop_caches():
+        raise RuntimeError("--cold: cannot write /proc/sys/vm/drop_caches; fix: run as root, or "
+                           "measure without --cold")
     t = time.monotonic()
     out = llm.generate([prompt], SamplingParams(max_tokens=max(1, cfg["check_tokens"]), **greedy),
                        use_tqdm=False)[0]
@@ -180,7 +185,8 @@ def run(args: argparse.Namespace) -> dict:
     # background publication overlaps the timed request (ExampleConnector stores it in-step)
     warmup = [rng.randrange(3, vocab) for _ in range(40)]
     base = {"model": model, "dtype": dtype, "prompt": prompt, "warmup": warmup,
-            "check_tokens": args.check_tokens, "max_model_len": max(4096, args.prompt_tokens + 64)}
+            "check_tokens": args.check_tokens, "max_model_len": max(4096, args.prompt_tokens + 64),
+            "cold": args.cold}
     work = Path(tempfile.mkdtemp(prefix="restore_ttft-", dir=args.work_dir))
     lives: list[Life] = []
     populate: dict[str, float] = {}
@@ -224,7 +230,9 @@ def run(args: argparse.Namespace) -> dict:
                     "sparkcache_at_least_as_fast_as_example": sc <= ex,
                     "sparkcache_restored_everything": arms["sparkcache"].num_cached_tokens == reusable,
                     "example_restored_everything": arms["example"].num_cached_tokens == reusable},
-        "page_cache": "warm (the stored files were written by the previous life on this machine)",
+        "page_cache": ("cold (dropped in every timed life after the warm-up, before the timed request)"
+                       if args.cold else "warm (the stored files were written by the previous life on "
+                       "this machine)"),
         "cpu_count": os.cpu_count(),
     }
     if not args.keep:
@@ -262,6 +270,8 @@ def parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--work-dir", default=None, help="where the stores live (default: the system temp dir)")
     a("--keep", action="store_true", help="keep the stores after the run")
+    a("--cold", action="store_true", help="drop the page cache (root) in each timed life right before "
+      "the timed request, so both connectors read the stored KV from disk")
     a("--engine-life", default=None, help=argparse.SUPPRESS)
     return p
 
