@@ -120,8 +120,8 @@ def open_nofollow(path: str) -> int:
 
 _POOLS: dict = {}
 # io: a cold object read waits on the disk 128 KiB of readahead at a time, so reads need
-# depth (256 cold 1 MiB objects, verified: 8 threads 0.49, 16 threads 0.68, 32 threads 0.62
-# of raw sequential read here). maintenance: one unlink batch at once.
+# depth (bench.store_throughput, cold: 16 threads beat 8 and 32; docs/RESULTS.md).
+# maintenance: one unlink batch at once.
 _POOL_SIZES = {"io": 16, "maintenance": 16}
 
 
