@@ -28,7 +28,8 @@ per token is that of a real small model, unlike the tiny test model, which recom
 faster than any disk read. Both figures are in the JSON (``model``). The store's pages sit
 in the OS page cache when read (both connectors alike), unless ``--cold`` drops the page cache
 in each timed life right before the timed request.
-Medians over ``--reps`` fresh restarts per arm.
+Medians over ``--reps`` fresh restarts per arm; the timed lives interleave the arms (a round
+of one life per arm, ``--reps`` times), so drift of a shared machine hits every arm alike.
 """
 
 from __future__ import annotations
@@ -190,16 +191,17 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="restore_ttft-", dir=args.work_dir))
     lives: list[Life] = []
     populate: dict[str, float] = {}
-    for arm in ARMS:
-        root = work / arm
-        if arm != "recompute":
-            t = time.monotonic()
-            stored = run_life({**base, "arm": arm, "root": str(root), "warmup": None, "check_tokens": 1})
-            populate[arm] = stored["ttft_s"]
-            print(f"[{arm}] stored the prompt in {time.monotonic() - t:.0f} s (ttft {stored['ttft_s']:.2f} s)",
-                  flush=True)
-        for rep in range(args.reps):
-            r = run_life({**base, "arm": arm, "root": str(root)})
+    for arm in ARMS[1:]:  # the restore arms store the prompt first, in a life of their own
+        t = time.monotonic()
+        stored = run_life({**base, "arm": arm, "root": str(work / arm), "warmup": None, "check_tokens": 1})
+        populate[arm] = stored["ttft_s"]
+        print(f"[{arm}] stored the prompt in {time.monotonic() - t:.0f} s (ttft {stored['ttft_s']:.2f} s)",
+              flush=True)
+    # Timed lives interleave the arms (rep 0 of each, then rep 1, ...), so a machine that gets
+    # busier or quieter during the run shifts every arm alike.
+    for rep in range(args.reps):
+        for arm in ARMS:
+            r = run_life({**base, "arm": arm, "root": str(work / arm)})
             life = Life(arm, rep, r["startup_s"], r["ttft_s"], r["generate_s"], r["first_token"], r["check_tokens"],
                         r["num_cached_tokens"], r["external_hit_tokens"])
             print(f"[{arm}] rep {rep}: ttft {life.ttft_s:.3f} s (cached {life.num_cached_tokens}, "
