@@ -1,22 +1,26 @@
 """Time to first token after an engine restart: recompute vs sparkcache vs vLLM's ExampleConnector.
 
-    python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3]
+    python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3] [--prompts 4]
 
-One run, three arms, the same prompt (random token ids, 2,000+ tokens), greedy:
+One run, three arms, the same ``--prompts`` prompts (random token ids, 2,000+ tokens each,
+no shared prefix), greedy:
 
-- ``recompute``: no connector; the prompt is computed;
-- ``sparkcache``: one engine life publishes the prompt's KV (read-write), then each timed
-  life is a fresh engine on the same root that restores it (verified read, then placed);
+- ``recompute``: no connector; the prompts are computed;
+- ``sparkcache``: one engine life publishes the prompts' KV (read-write), then each timed
+  life is a fresh engine on the same root that restores them (verified read, then placed);
 - ``example``: vLLM's own ``ExampleConnector`` (``shared_storage_path``, also KV on disk):
-  one life stores, each timed life is a fresh engine that loads it.
+  one life stores, each timed life is a fresh engine that loads them.
 
 Every engine life is its own process in its own session, killed as a group with SIGKILL
 afterwards (engine processes ignore SIGTERM). In a timed life the engine starts, serves
 one short unrelated warm-up prompt (40 tokens) (so one-off first-forward costs are not billed to an
-arm), then the timed request, greedy with ``--check-tokens`` output tokens: TTFT is vLLM's
-own ``RequestOutput.metrics.first_token_latency`` of that request (arrival to first token;
-the wall time of the whole ``generate`` is kept as ``generate_s``). The run fails unless
-every arm's lives give one greedy output and the two restore arms give the same one (they
+arm), then the timed requests, one prompt after the other (none of them is in the engine's
+own prefix cache: distinct prompts), greedy with ``--check-tokens`` output tokens: TTFT is vLLM's
+own ``RequestOutput.metrics.first_token_latency`` of each request (arrival to first token;
+the wall time of its whole ``generate`` is kept as ``generate_s``). Several prompts per life
+give each arm ``--reps`` x ``--prompts`` samples for the cost of ``--reps`` engine starts;
+the JSON also keeps the median of the first request after each restart apart. The run fails
+unless every arm's lives give one greedy output per prompt and the two restore arms give the same one (they
 place the same stored KV and prefill the same last tokens). The recompute arm is compared
 but not required to match: with this random-weight bf16 model, greedy tokens depend on how
 the prompt's prefill was split (a 2,100-token prefill, a restored 2,080-token prefix plus 20,
@@ -27,8 +31,8 @@ The model is ``sparkcache.tinymodel.BENCH``, a random-weight Llama made offline 
 per token is that of a real small model, unlike the tiny test model, which recomputes
 faster than any disk read. Both figures are in the JSON (``model``). The store's pages sit
 in the OS page cache when read (both connectors alike), unless ``--cold`` drops the page cache
-in each timed life right before the timed request.
-Medians over ``--reps`` fresh restarts per arm; the timed lives interleave the arms (a round
+in each timed life right before each timed request.
+Medians over ``--reps`` fresh restarts x ``--prompts`` requests per arm; the timed lives interleave the arms (a round
 of one life per arm, ``--reps`` times), so drift of a shared machine hits every arm alike.
 """
 
@@ -71,27 +75,28 @@ class ModelFigures:
 
 
 @dataclass(frozen=True)
-class Life:
-    """One timed engine life."""
+class Timed:
+    """One timed request of a timed engine life."""
     arm: str
     rep: int
-    startup_s: float
+    prompt: int                     # index into the prompts; 0 is the first request after the restart
     ttft_s: float
     generate_s: float
-    first_token: int
     check_tokens: list[int]
     num_cached_tokens: int
-    external_hit_tokens: float
 
 
 @dataclass(frozen=True)
 class ArmSummary:
     arm: str
-    ttft_median_s: float
+    ttft_median_s: float            # over every timed request of the arm
     ttft_min_s: float
+    first_after_restart_median_s: float  # prompt 0 of each life only
     ttft_all_s: list[float]
-    num_cached_tokens: int
-    populate_ttft_s: float | None  # TTFT of the storing life (no warm-up; sparkcache, example)
+    num_cached_tokens: int          # the fewest of any timed request
+    external_hit_tokens: float      # vllm:external_prefix_cache_hits, summed over the timed lives
+    startup_median_s: float
+    populate_ttft_s: list[float] | None  # TTFT of each prompt in the storing life (no warm-up)
 
 
 def model_figures(path: str, spec, prompt_tokens: int) -> ModelFigures:
@@ -132,22 +137,25 @@ def _engine_life(cfg: dict) -> dict:
               disable_log_stats=False, seed=0, max_num_batched_tokens=cfg["max_model_len"])
     startup_s = time.monotonic() - t0
     greedy = dict(temperature=0.0, ignore_eos=True)
-    prompt = TokensPrompt(prompt_token_ids=cfg["prompt"])
     if cfg.get("warmup"):
         llm.generate([TokensPrompt(prompt_token_ids=cfg["warmup"])], SamplingParams(max_tokens=1, **greedy),
                      use_tqdm=False)
-    if cfg.get("cold") and not drop_caches():
-        raise RuntimeError("--cold: cannot write /proc/sys/vm/drop_caches; fix: run as root, or "
-                           "measure without --cold")
-    t = time.monotonic()
-    out = llm.generate([prompt], SamplingParams(max_tokens=max(1, cfg["check_tokens"]), **greedy),
-                       use_tqdm=False)[0]
-    generate_s = time.monotonic() - t
-    # vLLM's own per-request TTFT (frontend arrival -> first token), not the decode after it
-    ttft_s = float(getattr(out.metrics, "first_token_latency", 0.0) or 0.0)
-    if ttft_s <= 0.0:
-        raise RuntimeError("RequestOutput.metrics.first_token_latency missing; fix: run with "
-                           "disable_log_stats=False (vLLM fills it only when it logs stats)")
+    requests = []
+    for prompt in cfg["prompts"]:  # one at a time: each TTFT is its own request's alone
+        if cfg.get("cold") and not drop_caches():
+            raise RuntimeError("--cold: cannot write /proc/sys/vm/drop_caches; fix: run as root, or "
+                               "measure without --cold")
+        t = time.monotonic()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                           SamplingParams(max_tokens=max(1, cfg["check_tokens"]), **greedy), use_tqdm=False)[0]
+        generate_s = time.monotonic() - t
+        # vLLM's own per-request TTFT (frontend arrival -> first token), not the decode after it
+        ttft_s = float(getattr(out.metrics, "first_token_latency", 0.0) or 0.0)
+        if ttft_s <= 0.0:
+            raise RuntimeError("RequestOutput.metrics.first_token_latency missing; fix: run with "
+                               "disable_log_stats=False (vLLM fills it only when it logs stats)")
+        requests.append({"ttft_s": ttft_s, "generate_s": generate_s, "check_tokens": list(out.outputs[0].token_ids),
+                         "num_cached_tokens": out.num_cached_tokens or 0})
     external = 0.0
     for m in llm.get_metrics():
         if m.name == "vllm:external_prefix_cache_hits":
@@ -156,10 +164,7 @@ def _engine_life(cfg: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
-    tokens = list(out.outputs[0].token_ids)
-    return {"startup_s": startup_s, "ttft_s": ttft_s, "generate_s": generate_s, "first_token": tokens[0],
-            "check_tokens": tokens, "num_cached_tokens": out.num_cached_tokens or 0,
-            "external_hit_tokens": external}
+    return {"startup_s": startup_s, "requests": requests, "external_hit_tokens": external}
 
 
 # ---------------------------------------------------------------------- parent
@@ -181,58 +186,73 @@ def run(args: argparse.Namespace) -> dict:
     dtype = args.dtype or spec.dtype
     rng = random.Random(args.seed)
     vocab = spec.vocab_size
-    prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
     # shorter than the connector's min_span_tokens (64): sparkcache does not capture it, so no
-    # background publication overlaps the timed request (ExampleConnector stores it in-step)
+    # background publication overlaps the timed requests (ExampleConnector stores it in-step)
     warmup = [rng.randrange(3, vocab) for _ in range(40)]
-    base = {"model": model, "dtype": dtype, "prompt": prompt, "warmup": warmup,
+    base = {"model": model, "dtype": dtype, "prompts": prompts, "warmup": warmup,
             "check_tokens": args.check_tokens, "max_model_len": max(4096, args.prompt_tokens + 64),
             "cold": args.cold}
     work = Path(tempfile.mkdtemp(prefix="restore_ttft-", dir=args.work_dir))
-    lives: list[Life] = []
-    populate: dict[str, float] = {}
-    for arm in ARMS[1:]:  # the restore arms store the prompt first, in a life of their own
+    timed: list[Timed] = []
+    startups: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    external: dict[str, float] = {arm: 0.0 for arm in ARMS}
+    populate: dict[str, list[float]] = {}
+    for arm in ARMS[1:]:  # the restore arms store the prompts first, in a life of their own
         t = time.monotonic()
         stored = run_life({**base, "arm": arm, "root": str(work / arm), "warmup": None, "check_tokens": 1})
-        populate[arm] = stored["ttft_s"]
-        print(f"[{arm}] stored the prompt in {time.monotonic() - t:.0f} s (ttft {stored['ttft_s']:.2f} s)",
-              flush=True)
+        populate[arm] = [r["ttft_s"] for r in stored["requests"]]
+        print(f"[{arm}] stored {len(prompts)} prompts in {time.monotonic() - t:.0f} s "
+              f"(ttft {' '.join(f'{x:.2f}' for x in populate[arm])} s)", flush=True)
     # Timed lives interleave the arms (rep 0 of each, then rep 1, ...), so a machine that gets
     # busier or quieter during the run shifts every arm alike.
     for rep in range(args.reps):
         for arm in ARMS:
-            r = run_life({**base, "arm": arm, "root": str(work / arm)})
-            life = Life(arm, rep, r["startup_s"], r["ttft_s"], r["generate_s"], r["first_token"], r["check_tokens"],
-                        r["num_cached_tokens"], r["external_hit_tokens"])
-            print(f"[{arm}] rep {rep}: ttft {life.ttft_s:.3f} s (cached {life.num_cached_tokens}, "
-                  f"startup {life.startup_s:.0f} s)", flush=True)
-            lives.append(life)
+            life = run_life({**base, "arm": arm, "root": str(work / arm)})
+            startups[arm].append(life["startup_s"])
+            external[arm] += life["external_hit_tokens"]
+            for i, r in enumerate(life["requests"]):
+                timed.append(Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
+                                   r["num_cached_tokens"]))
+            print(f"[{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
+                  f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, "
+                  f"startup {life['startup_s']:.0f} s)", flush=True)
     arms = {}
     for arm in ARMS:
-        ts = [lf.ttft_s for lf in lives if lf.arm == arm]
-        cached = [lf.num_cached_tokens for lf in lives if lf.arm == arm]
-        arms[arm] = ArmSummary(arm, _median(ts), min(ts), ts, min(cached), populate.get(arm))
-    def outputs(*names: str) -> set:
-        return {(lf.first_token, tuple(lf.check_tokens)) for lf in lives if lf.arm in names}
-    reusable = (len(prompt) - 1) // BLOCK * BLOCK
+        mine = [t for t in timed if t.arm == arm]
+        ts = [t.ttft_s for t in mine]
+        arms[arm] = ArmSummary(arm, _median(ts), min(ts), _median([t.ttft_s for t in mine if t.prompt == 0]), ts,
+                               min(t.num_cached_tokens for t in mine), external[arm], _median(startups[arm]),
+                               populate.get(arm))
+
+    def consistent(*names: str) -> bool:  # one greedy output per prompt across these arms' lives
+        return all(len({tuple(t.check_tokens) for t in timed if t.arm in names and t.prompt == i}) == 1
+                   for i in range(len(prompts)))
+    reusable = (args.prompt_tokens - 1) // BLOCK * BLOCK
     rec, sc, ex = (arms[a].ttft_median_s for a in ARMS)
+    # the same request of the same round, sparkcache against ExampleConnector
+    pairs = {(t.rep, t.prompt): t.ttft_s for t in timed if t.arm == "example"}
+    paired = [pairs[(t.rep, t.prompt)] / t.ttft_s for t in timed if t.arm == "sparkcache"]
     result = {
         "bench": "restore_ttft",
-        "prompt_tokens": len(prompt), "block_size": BLOCK, "reusable_tokens": reusable,
-        "reps": args.reps, "warmup_tokens": len(warmup), "check_tokens": args.check_tokens,
-        "ttft": "RequestOutput.metrics.first_token_latency (median over reps)",
-        "model": asdict(model_figures(model, spec, len(prompt))),
+        "prompt_tokens": args.prompt_tokens, "prompts": len(prompts), "block_size": BLOCK,
+        "reusable_tokens": reusable, "reps": args.reps, "warmup_tokens": len(warmup),
+        "check_tokens": args.check_tokens,
+        "ttft": "RequestOutput.metrics.first_token_latency (median over reps x prompts)",
+        "model": asdict(model_figures(model, spec, args.prompt_tokens)),
         "arms": {a: asdict(s) for a, s in arms.items()},
-        "lives": [asdict(lf) for lf in lives],
-        "ratios": {"recompute_over_sparkcache": rec / sc, "example_over_sparkcache": ex / sc},
-        "outputs": {"each_arm_consistent": all(len(outputs(a)) == 1 for a in ARMS),
-                    "restore_arms_identical": len(outputs("sparkcache", "example")) == 1,
-                    "recompute_identical_to_restore": len(outputs(*ARMS)) == 1},
+        "timed": [asdict(t) for t in timed],
+        "ratios": {"recompute_over_sparkcache": rec / sc, "example_over_sparkcache": ex / sc,
+                   "example_over_sparkcache_paired_median": _median(paired),
+                   "sparkcache_faster_in_pairs": f"{sum(r >= 1 for r in paired)}/{len(paired)}"},
+        "outputs": {"each_arm_consistent": all(consistent(a) for a in ARMS),
+                    "restore_arms_identical": consistent("sparkcache", "example"),
+                    "recompute_identical_to_restore": consistent(*ARMS)},
         "targets": {"sparkcache_faster_than_recompute": sc < rec,
                     "sparkcache_at_least_as_fast_as_example": sc <= ex,
                     "sparkcache_restored_everything": arms["sparkcache"].num_cached_tokens == reusable,
                     "example_restored_everything": arms["example"].num_cached_tokens == reusable},
-        "page_cache": ("cold (dropped in every timed life after the warm-up, before the timed request)"
+        "page_cache": ("cold (dropped in every timed life before each timed request)"
                        if args.cold else "warm (the stored files were written by the previous life on "
                        "this machine)"),
         "cpu_count": os.cpu_count(),
@@ -251,11 +271,14 @@ def table(result: dict) -> str:
              f"of {m['head_dim']}, {m['dtype']}: {m['flops_per_token'] / 1e6:.0f} MFLOP/token "
              f"(+{m['attention_flops_per_token_at_prompt'] / 1e6:.0f} attention at this prompt), "
              f"{m['kv_bytes_per_token']} KV bytes/token, {m['flops_per_kv_byte']} FLOP per KV byte",
-             f"prompt {result['prompt_tokens']} tokens, median of {result['reps']} restarts per arm",
-             f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'cached':>8}{'vs recompute':>14}"]
+             f"{result['prompts']} prompts of {result['prompt_tokens']} tokens, median of {result['reps']} "
+             f"restarts x {result['prompts']} requests per arm",
+             f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'1st s':>9}{'cached':>8}{'vs recompute':>14}"]
     for arm, s in arms.items():
-        lines.append(f"{arm:<12}{s['ttft_median_s']:>9.3f}{s['ttft_min_s']:>9.3f}{s['num_cached_tokens']:>8}"
+        lines.append(f"{arm:<12}{s['ttft_median_s']:>9.3f}{s['ttft_min_s']:>9.3f}"
+                     f"{s['first_after_restart_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
                      f"{rec / s['ttft_median_s']:>13.2f}x")
+    lines.append(f"ratios: {result['ratios']}")
     lines.append(f"outputs: {result['outputs']}; targets: {result['targets']}")
     return "\n".join(lines)
 
@@ -266,6 +289,7 @@ def parser() -> argparse.ArgumentParser:
     a("--out", type=Path, default=REPO / "bench-out" / "restore_ttft.json")
     a("--prompt-tokens", type=int, default=2100)
     a("--reps", type=int, default=3, help="timed fresh restarts per arm (median reported)")
+    a("--prompts", type=int, default=4, help="distinct prompts, each restored once per timed life")
     a("--check-tokens", type=int, default=8, help="greedy output tokens of the timed request, compared across arms")
     a("--model", choices=("bench", "tiny"), default="bench")
     a("--dtype", default=None, help="override the model's dtype (default: the spec's)")
@@ -284,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         result = _engine_life(json.loads(args.engine_life))
         print(RESULT_MARKER + json.dumps(result), flush=True)
         os._exit(0)  # do not wait for the engine's stray threads
-    if args.prompt_tokens < 64 or args.reps < 1:
-        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} / --reps {args.reps}: need >= 64 and >= 1")
+    if args.prompt_tokens < 64 or args.reps < 1 or args.prompts < 1:
+        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} / --reps {args.reps} / --prompts {args.prompts}: "
+                         "need >= 64, >= 1 and >= 1")
     result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -293,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     checks = result["outputs"]
     if not (checks["each_arm_consistent"] and checks["restore_arms_identical"]):
-        print("FAIL: greedy outputs differ between the lives of one arm or between the two restore arms",
+        print("FAIL: greedy outputs of a prompt differ between the lives of one arm or between the two restore arms",
               file=sys.stderr)
         return 1
     return 0

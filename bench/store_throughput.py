@@ -1,9 +1,13 @@
 """Publish and verified-read throughput of the store against raw sequential disk I/O,
 measured in the same run on the same filesystem.
 
-    python -m bench.store_throughput --out DIR [--total 256MiB --page 1MiB --entry-pages 32]
+    python -m bench.store_throughput --out DIR [--total 1GiB --page 1MiB --entry-pages 32]
 
 raw write: one file, sequential writes, one fsync at the end (like ``dd conv=fsync``).
+Each raw pass runs twice, right before and right after the store's passes it is compared
+with (raw, store, raw), and the store is compared with their mean: this machine's disk
+drifts by up to 2x between consecutive seconds, and a drift that is linear over the triple
+cancels out. Both raw passes are in the JSON.
 store publish: entries of ``entry-pages`` distinct pages (BLAKE3, temp file, fdatasync,
 rename, directory fsync, manifest). raw read / store read: after dropping the page cache
 when the kernel allows it (``/proc/sys/vm/drop_caches``), else the JSON says the reads
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.store_throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--total", type=parse_bytes, default=parse_bytes("256MiB"))
+    p.add_argument("--total", type=parse_bytes, default=parse_bytes("1GiB"))
     p.add_argument("--page", type=parse_bytes, default=parse_bytes("1MiB"))
     p.add_argument("--entry-pages", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -116,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         root = os.path.join(args.out, "store")
         shutil.rmtree(root, ignore_errors=True)
         store = PageStore(root, max_bytes=1 << 50, low_watermark_bytes=1 << 49, page_blocks=1)
-        t_raw_w = raw_write(raw_path, pages)
         t_hash = hash_only(pages)
+        os.sync()
+        t_raw_w = [raw_write(raw_path, pages)]
         t0 = time.perf_counter()
         entries = []
         for e in range(0, n_pages, args.entry_pages):
@@ -127,18 +132,25 @@ def main(argv: list[str] | None = None) -> int:
             assert result.ok, result
             entries.append(keys)
         t_store_w = time.perf_counter() - t0
+        os.unlink(raw_path)  # untimed: a truncating open would free (and discard) in the timed pass
+        os.sync()
+        t_raw_w.append(raw_write(raw_path, pages))
         cold = drop_caches()
-        t_raw_r = raw_read(raw_path, args.page)
+        t_raw_r = [raw_read(raw_path, args.page)]
         cold = drop_caches() and cold
         t_store_r = verified_read(store, entries, total, mapped=False)
         cold = drop_caches() and cold
         t_store_m = verified_read(store, entries, total, mapped=True)
+        cold = drop_caches() and cold
+        t_raw_r.append(raw_read(raw_path, args.page))
         os.unlink(raw_path)
         run = {
-            "raw_write_MBps": total / t_raw_w / 1e6, "store_publish_MBps": total / t_store_w / 1e6,
-            "raw_read_MBps": total / t_raw_r / 1e6, "store_verified_read_MBps": total / t_store_r / 1e6,
+            "raw_write_MBps": total / (sum(t_raw_w) / 2) / 1e6, "store_publish_MBps": total / t_store_w / 1e6,
+            "raw_read_MBps": total / (sum(t_raw_r) / 2) / 1e6, "store_verified_read_MBps": total / t_store_r / 1e6,
             "store_mapped_read_MBps": total / t_store_m / 1e6,
             "hash_MBps": total / t_hash / 1e6, "reads_cold": cold,
+            "raw_write_passes_MBps": [round(total / t / 1e6) for t in t_raw_w],
+            "raw_read_passes_MBps": [round(total / t / 1e6) for t in t_raw_r],
         }
         run["publish_over_raw_write"] = run["store_publish_MBps"] / run["raw_write_MBps"]
         run["read_over_raw_read"] = run["store_verified_read_MBps"] / run["raw_read_MBps"]
@@ -150,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                          for k, v in run.items()), flush=True)
     shutil.rmtree(os.path.join(args.out, "store"), ignore_errors=True)
     med = lambda key: sorted(r[key] for r in results["runs"])[len(results["runs"]) // 2]  # noqa: E731
-    results["median"] = {k: med(k) for k in results["runs"][0] if k != "reads_cold"}
+    results["median"] = {k: med(k) for k, v in results["runs"][0].items() if isinstance(v, float)}
     results["reads_cold"] = all(r["reads_cold"] for r in results["runs"])
     if not results["reads_cold"]:
         results["note"] = ("could not drop the page cache: reads came from memory, so the read "

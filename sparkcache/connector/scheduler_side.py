@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkcache.store.manifests import PageRef, pages_needed
+
 from .attribution import AttributionRecord, emit
 from .keys import BlockKeys
 
@@ -43,6 +45,26 @@ RESTORING_MODES = ("read-write", "restore-only")
 CAPTURING_MODES = ("read-write", "store-only")
 
 
+@dataclass(frozen=True)
+class StoredPages:
+    """The stored pages a load reads: pages ``first_page ..`` of an entry of ``block_count``
+    blocks, found by a lookup under ``identity_digest``. The scheduler's lookup hands them to
+    the worker so a restore does not look the entry up again; the bytes are still verified
+    (BLAKE3) when read, and an object gone since the lookup fails the load (recompute)."""
+    identity_digest: str
+    first_page: int
+    block_count: int
+    pages: tuple[PageRef, ...]
+
+    @classmethod
+    def of(cls, handle: Any, start_block: int, end_block: int) -> "StoredPages":
+        """The pages of ``handle`` (an ``EntryHandle``) that hold blocks [start, end)."""
+        bpp = handle.blocks_per_page
+        first = start_block // bpp
+        return cls(handle.identity_digest, first, handle.block_count,
+                   tuple(handle.pages[first:pages_needed(end_block, bpp)]))
+
+
 @dataclass
 class LoadPlan:
     req_id: str
@@ -50,6 +72,7 @@ class LoadPlan:
     start_block: int          # first block to place (blocks before it are local)
     block_ids: list[list[int]]  # per KV group: destination block ids of [start_block, end_block)
     sync: bool = False        # placed before this step's forward; failures as invalid blocks
+    stored: StoredPages | None = None  # what the scheduler's lookup found (None: look it up)
 
 
 @dataclass
@@ -66,6 +89,7 @@ class _ReqState:
     keys: BlockKeys
     record: AttributionRecord
     last_query: tuple[int, int] = (0, 0)   # (n_local asked with, tokens offered)
+    last_found: Any = None                 # the EntryHandle behind the last offer
     load_plan: LoadPlan | None = None      # planned, not yet reported by the workers
     load_tokens: int = 0
     load_done_ok: int = 0                  # restored tokens reported ok, not yet consumed
@@ -123,6 +147,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self.state(request)
+        st.last_found = None
         if self.mode not in RESTORING_MODES or self.store is None or st.restore_refused:
             st.last_query = (num_computed_tokens, 0)
             return 0, False
@@ -137,6 +162,8 @@ class SchedulerSide:
         if offered < max(1, self.settings.min_span_tokens):
             offered = 0
         st.last_query = (num_computed_tokens, offered)
+        if offered:
+            st.last_found = result.handle
         return offered, offered > 0 and not self.sync_loads
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -151,8 +178,10 @@ class SchedulerSide:
         start = local // bs
         end = start + num_external_tokens // bs
         group_ids = blocks.get_block_ids()
+        found = st.last_found
+        stored = StoredPages.of(found, start, end) if found is not None and end <= found.block_count else None
         plan = LoadPlan(request.request_id, self._keys(st, end), start,
-                        [list(ids[start:end]) for ids in group_ids], sync=self.sync_loads)
+                        [list(ids[start:end]) for ids in group_ids], sync=self.sync_loads, stored=stored)
         if plan.sync:  # placed in this step, before the forward: nothing stays in flight
             st.sync_load_tokens = num_external_tokens
         else:

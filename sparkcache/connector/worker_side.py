@@ -6,10 +6,10 @@ blocks of the page, block after block (``kv_caches[layer][block_id]``; vLLM 0.32
 per-layer views with blocks at dim 0). A page whose size does not match this layout is
 refused like a corrupt one.
 
-Restores map and verify (BLAKE3) every page they need before any byte is placed (read-only
+Restores read the pages the scheduler's lookup found (``LoadPlan.stored``; no second
+lookup) and map and verify (BLAKE3) every one of them before any byte is placed (read-only
 mappings of the immutable objects: hashed in the page cache, then copied once, into the
-blocks; ``ObjectStore.map_verified``); a
-failure of an asynchronous load reports the request in ``finished_recving`` and
+blocks; ``ObjectStore.map_verified``); a failure of an asynchronous load reports the request in ``finished_recving`` and
 ``failed_recving``, of a synchronous one (``plan.sync``: placed before this step's forward)
 its destination blocks as invalid (``get_block_ids_with_load_errors``) and the request in
 the worker meta (``sync_failed``); either way, with ``kv_load_failure_policy="recompute"``
@@ -32,6 +32,7 @@ from sparkcache.store.manifests import pages_needed
 from sparkcache.store.objects import ObjectError
 
 from .capture_slots import CaptureSlots
+from .scheduler_side import StoredPages
 from .worker_maintenance import WorkerMaintenance
 
 logger = logging.getLogger("sparkcache.connector")
@@ -64,6 +65,7 @@ class WorkerSide:
         self.attention_only = attention_only
         self.group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         self.kv: dict[str, Any] = {}
+        self.read_in_parallel = True  # see register_kv_caches
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
@@ -95,6 +97,11 @@ class WorkerSide:
                 if t is None or not hasattr(t, "stride"):
                     continue
                 self.kv[name] = t.view(__import__("torch").uint8)
+        # A KV cache in host memory means vLLM's CPU backend: the forward's OpenMP threads
+        # hold the worker's cores (spinning between parallel regions), so a restore's pages
+        # are read and hashed on this thread; on a pool they queue behind those threads
+        # (5 pages, 17 MB, in the engine on 2 vCPUs: 15-20 ms on the pool, 5-6 ms here).
+        self.read_in_parallel = not any(t.device.type == "cpu" for t in self.kv.values())
 
     def _layers(self, group: int) -> list[str]:
         return [n for n in self.group_layers[group] if n in self.kv]
@@ -134,16 +141,12 @@ class WorkerSide:
             return False
         end = len(plan.keys)
         start = plan.start_block
-        found = self.store.lookup(self.identity, plan.keys)
-        if not found.hit or found.hit_blocks < end:
-            logger.warning("sparkcache: restore of %s refused: %s %s", plan.req_id,
-                           found.reason, found.detail)
+        stored = self._stored_pages(plan)
+        if stored is None:
             return False
-        handle = found.handle
-        first_page, last_page = start // self.bpp, pages_needed(end, self.bpp)
-        refs = list(handle.pages[first_page:last_page])
         try:
-            pages = self.store.objects.read_many_verified(refs, mapped=True)
+            pages = self.store.objects.read_many_verified(list(stored.pages), mapped=True,
+                                                          parallel=self.read_in_parallel)
         except ObjectError as exc:
             logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
             if self.store.metrics is not None:
@@ -153,9 +156,9 @@ class WorkerSide:
         # Check every page's size before placing any byte.
         spans = []
         for k, page in enumerate(pages):
-            p = first_page + k
+            p = stored.first_page + k
             page_first = p * self.bpp
-            nblk = min((p + 1) * self.bpp, handle.block_count) - page_first
+            nblk = min((p + 1) * self.bpp, stored.block_count) - page_first
             if len(page) != nblk * sum(per_block):
                 logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
                                "expects %d", plan.req_id, p, len(page), nblk * sum(per_block))
@@ -182,6 +185,19 @@ class WorkerSide:
                         for i, first_id, n in runs:
                             dst[first_id:first_id + n].copy_(layer_src[i:i + n])
         return True
+
+    def _stored_pages(self, plan: Any) -> StoredPages | None:
+        """The pages to read: those the scheduler's lookup found, when it looked under this
+        worker's identity (another tensor-parallel rank has its own entry: it looks it up)."""
+        if plan.stored is not None and plan.stored.identity_digest == self.identity.digest():
+            return plan.stored
+        end = len(plan.keys)
+        found = self.store.lookup(self.identity, plan.keys)
+        if not found.hit or found.hit_blocks < end:
+            logger.warning("sparkcache: restore of %s refused: %s %s", plan.req_id,
+                           found.reason, found.detail)
+            return None
+        return StoredPages.of(found.handle, plan.start_block, end)
 
     # ------------------------------------------------------------------ capture
 

@@ -52,6 +52,8 @@ def test_sync_restore_is_scheduled_in_the_same_step_and_credited(tmp_path):
     assert out.has_sync_kv_loads and out.num_scheduled_tokens == {"a": 200 - stored}
     (plan,) = out.kv_connector_metadata.loads
     assert plan.sync and len(plan.block_ids[0]) == stored // BS
+    # the worker reads the pages the scheduler's lookup found (no second lookup)
+    assert plan.stored is not None and plan.stored.first_page == 0 and plan.stored.block_count == stored // BS
     assert r.status.name == "RUNNING" and r.num_output_tokens == 1
     finish_all(s)
     rec = record_of(s, "a")
