@@ -7,7 +7,10 @@ raw write: one file, sequential writes, one fsync at the end (like ``dd conv=fsy
 Each raw pass runs twice, right before and right after the store's passes it is compared
 with (raw, store, raw), and the store is compared with their mean: this machine's disk
 drifts by up to 2x between consecutive seconds, and a drift that is linear over the triple
-cancels out. Both raw passes are in the JSON.
+cancels out. Both raw passes are in the JSON. Before every timed pass the bench syncs and
+then idles ``--settle`` seconds: this VM's disk is a file on the host, and the host is still
+writing back (or discarding) the previous pass's gigabyte for a while after our fsync returns;
+without the pause each pass paid for the one before it.
 store publish: entries of ``entry-pages`` distinct pages (BLAKE3, temp file, fdatasync,
 rename, directory fsync, manifest). raw read / store read: after dropping the page cache
 when the kernel allows it (``/proc/sys/vm/drop_caches``), else the JSON says the reads
@@ -37,6 +40,12 @@ from sparkcache.store.layout import parallel_map
 from sparkcache.store.objects import digest_of
 
 IDENT = Identity("throughput", "bf16", 16, 0, "lock")
+
+
+def settle(seconds: float) -> None:
+    """Sync, then idle: let the device finish the previous pass before the next is timed."""
+    os.sync()
+    time.sleep(seconds)
 
 
 def drop_caches() -> bool:
@@ -107,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page", type=parse_bytes, default=parse_bytes("1MiB"))
     p.add_argument("--entry-pages", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds to idle (after a sync) before each timed pass")
     args = p.parse_args(argv)
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
@@ -114,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     pages = make_pages(n_pages, args.page)
     total = n_pages * args.page
     results: dict = {"total_bytes": total, "page_bytes": args.page, "entry_pages": args.entry_pages,
+                     "settle_s": args.settle,
                      "runs": []}
     for rep in range(args.repeats):
         raw_path = os.path.join(args.out, "raw.bin")
@@ -121,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
         store = PageStore(root, max_bytes=1 << 50, low_watermark_bytes=1 << 49, page_blocks=1)
         t_hash = hash_only(pages)
-        os.sync()
+        settle(args.settle)
         t_raw_w = [raw_write(raw_path, pages)]
+        settle(args.settle)
         t0 = time.perf_counter()
         entries = []
         for e in range(0, n_pages, args.entry_pages):
@@ -133,14 +146,18 @@ def main(argv: list[str] | None = None) -> int:
             entries.append(keys)
         t_store_w = time.perf_counter() - t0
         os.unlink(raw_path)  # untimed: a truncating open would free (and discard) in the timed pass
-        os.sync()
+        settle(args.settle)
         t_raw_w.append(raw_write(raw_path, pages))
+        settle(args.settle)
         cold = drop_caches()
         t_raw_r = [raw_read(raw_path, args.page)]
+        settle(args.settle)
         cold = drop_caches() and cold
         t_store_r = verified_read(store, entries, total, mapped=False)
+        settle(args.settle)
         cold = drop_caches() and cold
         t_store_m = verified_read(store, entries, total, mapped=True)
+        settle(args.settle)
         cold = drop_caches() and cold
         t_raw_r.append(raw_read(raw_path, args.page))
         os.unlink(raw_path)
