@@ -48,12 +48,14 @@ CAPTURING_MODES = ("read-write", "store-only")
 @dataclass(frozen=True)
 class StoredPages:
     """The stored pages a load reads: pages ``first_page ..`` of an entry of ``block_count``
-    blocks, found by a lookup under ``identity_digest``. The scheduler's lookup hands them to
-    the worker so a restore does not look the entry up again; the bytes are still verified
-    (BLAKE3) when read, and an object gone since the lookup fails the load (recompute)."""
+    blocks in pages of ``blocks_per_page``, found by a lookup under ``identity_digest``. The
+    scheduler's lookup hands them to the worker so a restore does not look the entry up
+    again; the bytes are still verified (BLAKE3) when read, and an object gone since the
+    lookup fails the load (recompute)."""
     identity_digest: str
     first_page: int
     block_count: int
+    blocks_per_page: int
     pages: tuple[PageRef, ...]
 
     @classmethod
@@ -61,7 +63,7 @@ class StoredPages:
         """The pages of ``handle`` (an ``EntryHandle``) that hold blocks [start, end)."""
         bpp = handle.blocks_per_page
         first = start_block // bpp
-        return cls(handle.identity_digest, first, handle.block_count,
+        return cls(handle.identity_digest, first, handle.block_count, bpp,
                    tuple(handle.pages[first:pages_needed(end_block, bpp)]))
 
 

@@ -9,10 +9,11 @@ refused like a corrupt one.
 Restores read the pages the scheduler's lookup found (``LoadPlan.stored``; no second
 lookup) and map and verify (BLAKE3) every one of them before any byte is placed (read-only
 mappings of the immutable objects: hashed in the page cache, then copied once, into the
-blocks; ``ObjectStore.map_verified``); a failure of an asynchronous load reports the request in ``finished_recving`` and
-``failed_recving``, of a synchronous one (``plan.sync``: placed before this step's forward)
-its destination blocks as invalid (``get_block_ids_with_load_errors``) and the request in
-the worker meta (``sync_failed``); either way, with ``kv_load_failure_policy="recompute"``
+blocks; ``ObjectStore.map_verified``); a failure of an asynchronous load reports the request
+in ``finished_recving`` and ``failed_recving``, of a synchronous one (``plan.sync``: placed
+before this step's forward) its destination blocks as invalid
+(``get_block_ids_with_load_errors``) and the request in the worker meta (``sync_failed``);
+either way, with ``kv_load_failure_policy="recompute"``
 vLLM recomputes it, and nothing is written into the KV cache. Hybrid models (non-attention
 groups): restores are refused and captures skipped (recurrent-state capture is not
 implemented on the worker).
@@ -155,10 +156,11 @@ class WorkerSide:
         per_block = [self._block_bytes(n) for g in range(len(self.group_layers)) for n in self._layers(g)]
         # Check every page's size before placing any byte.
         spans = []
+        bpp = stored.blocks_per_page  # the entry's, whatever page_blocks is set to now
         for k, page in enumerate(pages):
             p = stored.first_page + k
-            page_first = p * self.bpp
-            nblk = min((p + 1) * self.bpp, stored.block_count) - page_first
+            page_first = p * bpp
+            nblk = min((p + 1) * bpp, stored.block_count) - page_first
             if len(page) != nblk * sum(per_block):
                 logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
                                "expects %d", plan.req_id, p, len(page), nblk * sum(per_block))

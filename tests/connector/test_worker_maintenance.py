@@ -35,11 +35,11 @@ def _kv_cache_config():
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
-def _worker(root, mode: str) -> WorkerSide:
+def _worker(root, mode: str, **settings_extra) -> WorkerSide:
     settings = load_settings(env={}, extra_config={
         "root": str(root), "access_mode": mode, "max_bytes": "3MiB", "low_watermark_bytes": "2MiB",
         "min_span_tokens": BLOCK, "capture_slots": 2, "capture_slot_bytes": "2MiB",
-        "maintenance_interval_seconds": 0.05})
+        "maintenance_interval_seconds": 0.05, **settings_extra})
     identity = Identity("maint-test", "fp32-2x2x32", BLOCK, 0, "untransformed")
     store = _open_store(settings, metrics=None)  # the connector's own choice per access mode
     worker = WorkerSide(settings, identity, store, _kv_cache_config(), True)

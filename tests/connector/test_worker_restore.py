@@ -100,3 +100,20 @@ def test_object_gone_after_the_lookup_fails_the_load_and_places_nothing(tmp_path
         assert worker.counters["restores_failed"] == 1
     finally:
         worker.close()
+
+
+def test_entry_published_in_another_page_size_is_placed_by_its_own(tmp_path):
+    writer, keys, stored = _published(tmp_path)  # pages of 16 blocks
+    writer.close()
+    worker = _worker(tmp_path / "store", "restore-only", page_blocks=4)  # set differently now
+    try:
+        assert worker.bpp == 4
+        start = 5
+        dest = _cleared_destination(worker, start)
+        plan = _plan(worker, keys, start, dest)
+        assert plan.stored.blocks_per_page == 16
+        worker.load(plan)
+        assert worker.take_results()[1:] == ({"r"}, set())
+        assert _placed(worker, dest, start, stored)
+    finally:
+        worker.close()
