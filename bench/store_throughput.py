@@ -148,18 +148,18 @@ def main(argv: list[str] | None = None) -> int:
         os.unlink(raw_path)  # untimed: a truncating open would free (and discard) in the timed pass
         settle(args.settle)
         t_raw_w.append(raw_write(raw_path, pages))
-        settle(args.settle)
-        cold = drop_caches()
-        t_raw_r = [raw_read(raw_path, args.page)]
-        settle(args.settle)
-        cold = drop_caches() and cold
-        t_store_r = verified_read(store, entries, total, mapped=False)
-        settle(args.settle)
-        cold = drop_caches() and cold
-        t_store_m = verified_read(store, entries, total, mapped=True)
-        settle(args.settle)
-        cold = drop_caches() and cold
-        t_raw_r.append(raw_read(raw_path, args.page))
+        colds = []
+
+        def cold_read(read, *a, **kw) -> float:
+            settle(args.settle)
+            colds.append(drop_caches())
+            return read(*a, **kw)
+
+        t_raw_r = [cold_read(raw_read, raw_path, args.page)]
+        t_store_r = cold_read(verified_read, store, entries, total, mapped=False)
+        t_store_m = cold_read(verified_read, store, entries, total, mapped=True)
+        t_raw_r.append(cold_read(raw_read, raw_path, args.page))
+        cold = all(colds)
         os.unlink(raw_path)
         run = {
             "raw_write_MBps": total / (sum(t_raw_w) / 2) / 1e6, "store_publish_MBps": total / t_store_w / 1e6,

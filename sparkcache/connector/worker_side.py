@@ -61,6 +61,7 @@ class WorkerSide:
                  attention_only: bool, metrics: Any = None) -> None:
         self.settings = settings
         self.identity = identity
+        self.identity_digest = identity.digest()  # compared with every load plan's
         self.store = store
         self.bpp = settings.page_blocks
         self.attention_only = attention_only
@@ -191,7 +192,7 @@ class WorkerSide:
     def _stored_pages(self, plan: Any) -> StoredPages | None:
         """The pages to read: those the scheduler's lookup found, when it looked under this
         worker's identity (another tensor-parallel rank has its own entry: it looks it up)."""
-        if plan.stored is not None and plan.stored.identity_digest == self.identity.digest():
+        if plan.stored is not None and plan.stored.identity_digest == self.identity_digest:
             return plan.stored
         end = len(plan.keys)
         found = self.store.lookup(self.identity, plan.keys)

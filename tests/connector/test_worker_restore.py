@@ -13,6 +13,7 @@ import dataclasses
 import os
 import time
 
+import pytest
 import torch
 
 from sparkcache.connector.keys import BlockKeys
@@ -23,8 +24,9 @@ from .test_worker_maintenance import BLOCK, NUM_BLOCKS, _worker
 STORED_BLOCKS = 20  # 2 pages of 16 blocks (page_blocks default), the second one partial
 
 
-def _published(tmp_path):
-    """A read-write worker that captured one 20-block prompt; its KV and keys."""
+@pytest.fixture
+def published(tmp_path):
+    """A read-write worker that captured one 20-block prompt; its KV and keys. Closed after."""
     worker = _worker(tmp_path / "store", "read-write")
     tokens = list(range(1, STORED_BLOCKS * BLOCK + 2))
     keys = BlockKeys(BLOCK).upto(tokens, STORED_BLOCKS)
@@ -34,7 +36,8 @@ def _published(tmp_path):
         assert worker.slots.stats.publish_failed == 0 and time.monotonic() < deadline
         time.sleep(0.02)
     stored = {name: kv[:STORED_BLOCKS].clone() for name, kv in worker.kv.items()}
-    return worker, keys, stored
+    yield worker, keys, stored
+    worker.close()
 
 
 def _plan(worker, keys, start: int, dest: list[int]) -> LoadPlan:
@@ -55,55 +58,46 @@ def _placed(worker, dest: list[int], start: int, stored: dict) -> bool:
     return all(torch.equal(worker.kv[n][dest], stored[n][start:]) for n in worker.kv)
 
 
-def test_load_places_the_pages_the_scheduler_found(tmp_path):
-    worker, keys, stored = _published(tmp_path)
-    try:
-        assert worker.bpp < STORED_BLOCKS < 2 * worker.bpp
-        start = 3  # the first blocks are local hits: only the rest is placed
-        dest = _cleared_destination(worker, start)
-        entry_id = worker.store.lookup(worker.identity, keys).entry_id
-        plan = _plan(worker, keys, start, dest)
-        assert plan.stored.first_page == 0 and len(plan.stored.pages) == 2
-        # the worker does not read the manifest again (superseded meanwhile: the pages stay)
-        os.unlink(worker.store.layout.manifest_path(worker.identity.digest(), entry_id))
-        worker.load(plan)
-        assert worker.take_results()[1:] == ({"r"}, set())
-        assert _placed(worker, dest, start, stored)
-    finally:
-        worker.close()
+def test_load_places_the_pages_the_scheduler_found(published):
+    worker, keys, stored = published
+    assert worker.bpp < STORED_BLOCKS < 2 * worker.bpp
+    start = 3  # the first blocks are local hits: only the rest is placed
+    dest = _cleared_destination(worker, start)
+    entry_id = worker.store.lookup(worker.identity, keys).entry_id
+    plan = _plan(worker, keys, start, dest)
+    assert plan.stored.first_page == 0 and len(plan.stored.pages) == 2
+    # the worker does not read the manifest again (superseded meanwhile: the pages stay)
+    os.unlink(worker.store.layout.manifest_path(worker.identity.digest(), entry_id))
+    worker.load(plan)
+    assert worker.take_results()[1:] == ({"r"}, set())
+    assert _placed(worker, dest, start, stored)
 
 
-def test_plan_of_another_identity_is_looked_up_again(tmp_path):
-    worker, keys, stored = _published(tmp_path)
-    try:
-        dest = _cleared_destination(worker, 0)
-        plan = _plan(worker, keys, 0, dest)
-        # another rank's pages: a digest that is not this worker's; its pages must not be read
-        foreign = dataclasses.replace(plan.stored, identity_digest="0" * 32,
-                                      pages=tuple(dataclasses.replace(p, digest="f" * 64) for p in plan.stored.pages))
-        worker.load(dataclasses.replace(plan, stored=foreign))
-        assert worker.take_results()[1:] == ({"r"}, set())
-        assert _placed(worker, dest, 0, stored)
-    finally:
-        worker.close()
+def test_plan_of_another_identity_is_looked_up_again(published):
+    worker, keys, stored = published
+    dest = _cleared_destination(worker, 0)
+    plan = _plan(worker, keys, 0, dest)
+    # another rank's pages: a digest that is not this worker's; its pages must not be read
+    foreign = dataclasses.replace(plan.stored, identity_digest="0" * 32,
+                                  pages=tuple(dataclasses.replace(p, digest="f" * 64) for p in plan.stored.pages))
+    worker.load(dataclasses.replace(plan, stored=foreign))
+    assert worker.take_results()[1:] == ({"r"}, set())
+    assert _placed(worker, dest, 0, stored)
 
 
-def test_object_gone_after_the_lookup_fails_the_load_and_places_nothing(tmp_path):
-    worker, keys, stored = _published(tmp_path)
-    try:
-        dest = _cleared_destination(worker, 0)
-        plan = _plan(worker, keys, 0, dest)
-        os.unlink(worker.store.objects.path(plan.stored.pages[1].digest))  # evicted meanwhile
-        worker.load(plan)
-        assert worker.take_results()[1:] == ({"r"}, {"r"})
-        assert all(not worker.kv[n][dest].any() for n in worker.kv)  # not even the first page
-        assert worker.counters["restores_failed"] == 1
-    finally:
-        worker.close()
+def test_object_gone_after_the_lookup_fails_the_load_and_places_nothing(published):
+    worker, keys, stored = published
+    dest = _cleared_destination(worker, 0)
+    plan = _plan(worker, keys, 0, dest)
+    os.unlink(worker.store.objects.path(plan.stored.pages[1].digest))  # evicted meanwhile
+    worker.load(plan)
+    assert worker.take_results()[1:] == ({"r"}, {"r"})
+    assert all(not worker.kv[n][dest].any() for n in worker.kv)  # not even the first page
+    assert worker.counters["restores_failed"] == 1
 
 
-def test_entry_published_in_another_page_size_is_placed_by_its_own(tmp_path):
-    writer, keys, stored = _published(tmp_path)  # pages of 16 blocks
+def test_entry_published_in_another_page_size_is_placed_by_its_own(tmp_path, published):
+    writer, keys, stored = published  # pages of 16 blocks
     writer.close()
     worker = _worker(tmp_path / "store", "restore-only", page_blocks=4)  # set differently now
     try:
