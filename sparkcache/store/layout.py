@@ -220,6 +220,22 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+WRITE_CHUNK = 1 << 20  # bytes per write(2) call
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of ``data`` to ``fd``, at most ``WRITE_CHUNK`` bytes per call.
+
+    One write(2) of 2 or 4 MiB into a fresh file measured 0.6-1.3 GB/s on the VM this was
+    built on, against 3.6-4.6 GB/s for the same bytes written 1 MiB at a time (the kernel
+    backs a large single write with large page-cache folios, taken from free memory the
+    hypervisor has reclaimed and must fault back in). Pages of several MiB are the normal
+    case for real models, so every file the store writes goes through here."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view[:WRITE_CHUNK]):]
+
+
 def write_file_durably(tmp_path: str, final_path: str, data: bytes | memoryview) -> None:
     """Write ``data`` to ``tmp_path``, fsync it and rename it onto ``final_path``.
 
@@ -229,10 +245,7 @@ def write_file_durably(tmp_path: str, final_path: str, data: bytes | memoryview)
     fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            write_all(fd, data)
             os.fdatasync(fd)
         finally:
             os.close(fd)

@@ -17,7 +17,8 @@ import stat
 
 import blake3
 
-from .layout import StoreLayout, UnsafePathError, open_nofollow, parallel_map, start_writeback, sync_all
+from .layout import (StoreLayout, UnsafePathError, open_nofollow, parallel_map, start_writeback, sync_all,
+                     write_all)
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
@@ -160,9 +161,7 @@ class ObjectStore:
             for _, data, tmp_path in items:
                 fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 fds.append(fd)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data)
                 start_writeback(fd)  # the disk works while we write the next object
             sync_all(os.fdatasync, fds)
         finally:

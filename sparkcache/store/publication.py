@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterator, Sequence
 
-from .layout import fsync_dir, parallel_imap, start_writeback, sync_all, wait_writeback
+from .layout import fsync_dir, parallel_imap, start_writeback, sync_all, wait_writeback, write_all
 from .locks import shared_lock
 from .manifests import PageRef
 from .objects import digest_of
@@ -75,7 +75,7 @@ class PublicationWriter:
         """Steps 2-4: the manifest's temp file joins the objects' last fdatasync round; it is
         renamed into place only after the objects' renames are durable."""
         fd = os.open(manifest_temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        _write_all(fd, manifest_bytes)
+        write_all(fd, manifest_bytes)
         self._open.append((fd, "", manifest_temp))
         self._sync_round(extra_dirs=make_identity_dir())
         os.rename(manifest_temp, manifest_final)
@@ -110,7 +110,7 @@ class PublicationWriter:
         tmp = self.staging.temp_path(digest)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self._open.append((fd, digest, tmp))
-        _write_all(fd, page)
+        write_all(fd, page)
         start_writeback(fd)  # the disk works while the next page is hashed and copied
         self.bytes_written += len(page)
         self._in_flight.append((fd, len(page)))
@@ -132,12 +132,6 @@ class PublicationWriter:
         dirs = set(extra_dirs) | self.store.objects.place(objects)
         self.written_digests.update(digest for digest, _ in objects)
         sync_all(fsync_dir, sorted(dirs))
-
-
-def _write_all(fd: int, data: Any) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 __all__ = ["BaseObjectGone", "PublicationWriter"]

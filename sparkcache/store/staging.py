@@ -20,6 +20,8 @@ import secrets
 import shutil
 from typing import Iterable
 
+from .layout import write_all
+
 INTENT_SUFFIX = ".intent"
 TEMP_SUFFIX = ".tmp"
 
@@ -60,10 +62,7 @@ class Staging:
     def declare(self, digests: Iterable[str]) -> None:
         """Record digests this publication relies on (call under the shared gc lock)."""
         assert self._fd is not None, "Staging.open() first"
-        data = "".join(d + "\n" for d in digests).encode()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        write_all(self._fd, "".join(d + "\n" for d in digests).encode())
 
     def temp_path(self, name: str) -> str:
         path = os.path.join(self._staging_dir, f"{self.token}-{name}{TEMP_SUFFIX}")
