@@ -11,6 +11,7 @@ symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import stat
@@ -21,6 +22,7 @@ from .layout import (StoreLayout, UnsafePathError, open_nofollow, parallel_map, 
                      write_all)
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
+_FETCH_AHEAD_BYTES = 64 << 20  # a serial mapped read keeps this much of the next pages coming
 
 ABSENT = "absent"
 CORRUPT = "corrupt"
@@ -82,21 +84,22 @@ class ObjectStore:
         _check_digest(digest, data)
         return data
 
-    def map_verified(self, digest: str, size: int) -> "mmap.mmap | bytes":
+    def map_verified(self, digest: str, size: int) -> mmap.mmap:
         """The object's bytes, re-hashed, as a restore reads them; raises ``ObjectError``
-        rather than return bad bytes. An object in the page cache comes back as a read-only,
-        populated mapping of its file: no copy into fresh process memory, so a restore
-        hashes the page cache in place and copies each byte once, into the KV cache (a read
-        into new memory costs a page fault per 4 KiB, more than the hash here). Safe because
-        objects are immutable: written under a temp name and renamed, never rewritten in
-        place; an unlink (eviction) leaves the mapping valid (another program truncating a
-        mapped object in place would fault the reader with SIGBUS; nothing in sparkcache
-        does). An object not in the page cache is read (a read gets the kernel's readahead;
-        a populated mapping does not)."""
+        rather than return bad bytes. They come back as a read-only, populated mapping of
+        the object's file: the hash reads the page cache in place and the restore copies
+        each byte once, into the KV cache (a read into new process memory costs a page fault
+        per 4 KiB, more than the hash here). An object not in the page cache is first asked
+        for whole (``POSIX_FADV_WILLNEED``: a populated mapping gets no readahead of its own).
+        Safe because objects are immutable: written under a temp name and renamed, never
+        rewritten in place; an unlink (eviction) leaves the mapping valid (another program
+        truncating a mapped object in place would fault the reader with SIGBUS; nothing in
+        sparkcache does)."""
         fd = self._open_checked(digest, size)
         try:
-            if not _in_page_cache(fd, size):
+            if size == 0:  # nothing to map
                 return self._read_fd(fd, digest, size)
+            _fetch_if_cold(fd, size)
             try:
                 data = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_POPULATE, prot=mmap.PROT_READ)
             except (OSError, ValueError) as exc:
@@ -105,6 +108,19 @@ class ObjectStore:
             os.close(fd)
         _check_digest(digest, data)
         return data
+
+    def fetch_ahead(self, refs: list) -> None:
+        """Ask the kernel to read ``refs``' objects that are not in the page cache, without
+        waiting (readahead hints; a missing or bad object is left for the read to report)."""
+        for ref in refs:
+            try:
+                fd = self._open_checked(ref.digest, ref.size)
+            except ObjectError:
+                continue
+            try:
+                _fetch_if_cold(fd, ref.size)
+            finally:
+                os.close(fd)
 
     def _open_checked(self, digest: str, size: int) -> int:
         """An fd of the object, opened without following links, with its size checked."""
@@ -128,8 +144,23 @@ class ObjectStore:
         parallel threads (reads and BLAKE3 release the GIL), or with ``parallel=False`` on
         the calling thread, one after the other (for a caller whose cores are busy anyway:
         see ``WorkerSide``). Raises the first ``ObjectError`` in page order."""
-        one = self.map_verified if mapped else self.read_verified
-        return _each_in_parallel(lambda ref: one(ref.digest, ref.size), refs, parallel=parallel)
+        if not mapped:
+            return _each_in_parallel(lambda ref: self.read_verified(ref.digest, ref.size), refs,
+                                     parallel=parallel)
+        if parallel:
+            return _each_in_parallel(lambda ref: self.map_verified(ref.digest, ref.size), refs)
+        # One after the other, keeping the disk busy with the pages that start within
+        # _FETCH_AHEAD_BYTES after the one being hashed (it is fetched by map_verified).
+        ends = list(itertools.accumulate(ref.size for ref in refs))  # bytes through each page
+        out, hinted = [], 1
+        for i, ref in enumerate(refs):
+            stop = hinted
+            while stop < len(refs) and ends[stop - 1] < ends[i] + _FETCH_AHEAD_BYTES:
+                stop += 1
+            self.fetch_ahead(refs[hinted:stop])
+            hinted = stop
+            out.append(self.map_verified(ref.digest, ref.size))
+        return out
 
     def check_many_present(self, refs: list) -> None:
         """``check_present`` for several pages, in parallel threads when there are many (a
@@ -242,6 +273,12 @@ def _in_page_cache(fd: int, size: int) -> bool:
         return os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
     except (BlockingIOError, OSError):
         return False
+
+
+def _fetch_if_cold(fd: int, size: int) -> None:
+    """Start reading the whole file into the page cache unless it is there (returns at once)."""
+    if hasattr(os, "posix_fadvise") and not _in_page_cache(fd, size):
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
 
 
 def _check_digest(digest: str, data) -> None:
