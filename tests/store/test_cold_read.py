@@ -4,15 +4,34 @@ read, and a flipped byte on disk still refused."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
+import numpy as np
 import pytest
 
 from bench.store_throughput import drop_caches
-from sparkcache.store.objects import CORRUPT, ObjectError, _in_page_cache
+from sparkcache.store.objects import CORRUPT, ObjectError
 from store_helpers import IDENT, conv_keys, conv_pages, open_store
 
 N_BLOCKS, BPP, BLOCK_BYTES = 40, 4, 64 << 10  # 10 pages of 256 KiB
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of the file in the page cache, by ``mincore`` (which, unlike a read, never
+    brings one in)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+        assert _LIBC.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec)
+    finally:
+        m.close()
 
 
 def _evict(path: str) -> None:
@@ -23,13 +42,13 @@ def _evict(path: str) -> None:
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if _in_page_cache(fd, os.fstat(fd).st_size):
-            drop_caches()
-        assert not _in_page_cache(fd, os.fstat(fd).st_size), (
-            f"{path}: still in the page cache after POSIX_FADV_DONTNEED and drop_caches; run "
-            "the tests as root on a disk filesystem (tmpfs cannot drop pages)")
     finally:
         os.close(fd)
+    if _resident_pages(path):
+        drop_caches()
+    assert not _resident_pages(path), (
+        f"{path}: still in the page cache after POSIX_FADV_DONTNEED and drop_caches; run the "
+        "tests as root on a disk filesystem (tmpfs cannot drop pages)")
 
 
 @pytest.fixture
