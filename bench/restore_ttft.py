@@ -1,6 +1,7 @@
 """Time to first token after an engine restart: recompute vs sparkcache vs vLLM's ExampleConnector.
 
     python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3] [--prompts 4]
+        [--recompute-reps 1] [--cold]
 
 One run, three arms, the same ``--prompts`` prompts (random token ids, 2,000+ tokens each,
 no shared prefix), greedy:
@@ -17,7 +18,12 @@ one short unrelated warm-up prompt (40 tokens) (so one-off first-forward costs a
 arm), then the timed requests, one prompt after the other (none of them is in the engine's
 own prefix cache: distinct prompts), greedy with ``--check-tokens`` output tokens: TTFT is vLLM's
 own ``RequestOutput.metrics.first_token_latency`` of each request (arrival to first token;
-the wall time of its whole ``generate`` is kept as ``generate_s``). Several prompts per life
+the wall time of its whole ``generate`` is kept as ``generate_s``). Right after each timed
+request, the same prompt is sent again: a local prefix-cache hit on the same 2,080 tokens and
+the same last tokens to compute, with no connector load. Its TTFT (``local_ttft_s``) is that
+life's price of the rest of the request, so ``ttft_s - local_ttft_s`` is what the restore
+itself added (``restore_overhead_s``), free of how fast that engine life happens to compute
+(lives of one arm differ by 10-20% on this shared machine, more than the two restores do). Several prompts per life
 give each arm ``--reps`` x ``--prompts`` samples for the cost of ``--reps`` engine starts;
 the JSON also keeps the median of the first request after each restart apart. The run fails
 unless every arm's lives give one greedy output per prompt and the two restore arms give the same one (they
@@ -33,7 +39,8 @@ faster than any disk read. Both figures are in the JSON (``model``). The store's
 in the OS page cache when read (both connectors alike), unless ``--cold`` drops the page cache
 in each timed life right before each timed request.
 Medians over ``--reps`` fresh restarts x ``--prompts`` requests per arm; the timed lives interleave the arms (a round
-of one life per arm, ``--reps`` times), so drift of a shared machine hits every arm alike.
+of one life per arm, ``--reps`` times), so drift of a shared machine hits every arm alike. The recompute arm,
+20x slower than either restore, has a timed life in the first ``--recompute-reps`` rounds only.
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ class Timed:
     generate_s: float
     check_tokens: list[int]
     num_cached_tokens: int
+    local_ttft_s: float             # the same prompt again right after: a local prefix hit, no load
+    restore_overhead_s: float       # ttft_s - local_ttft_s
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,9 @@ class ArmSummary:
     ttft_median_s: float            # over every timed request of the arm
     ttft_min_s: float
     first_after_restart_median_s: float  # prompt 0 of each life only
+    local_ttft_median_s: float      # the repeats (a local hit: the same compute, no load)
+    restore_overhead_median_s: float  # median of ttft_s - local_ttft_s (within one life)
+    life_medians_s: list[float]     # median TTFT of each timed life, in round order
     ttft_all_s: list[float]
     num_cached_tokens: int          # the fewest of any timed request
     external_hit_tokens: float      # vllm:external_prefix_cache_hits, summed over the timed lives
@@ -140,22 +152,29 @@ def _engine_life(cfg: dict) -> dict:
     if cfg.get("warmup"):
         llm.generate([TokensPrompt(prompt_token_ids=cfg["warmup"])], SamplingParams(max_tokens=1, **greedy),
                      use_tqdm=False)
+    params = SamplingParams(max_tokens=max(1, cfg["check_tokens"]), **greedy)
+
+    def ttft_of(out) -> float:  # vLLM's own per-request TTFT (frontend arrival -> first token)
+        ttft_s = float(getattr(out.metrics, "first_token_latency", 0.0) or 0.0)
+        if ttft_s <= 0.0:
+            raise RuntimeError("RequestOutput.metrics.first_token_latency missing; fix: run with "
+                               "disable_log_stats=False (vLLM fills it only when it logs stats)")
+        return ttft_s
+
     requests = []
     for prompt in cfg["prompts"]:  # one at a time: each TTFT is its own request's alone
         if cfg.get("cold") and not drop_caches():
             raise RuntimeError("--cold: cannot write /proc/sys/vm/drop_caches; fix: run as root, or "
                                "measure without --cold")
         t = time.monotonic()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                           SamplingParams(max_tokens=max(1, cfg["check_tokens"]), **greedy), use_tqdm=False)[0]
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         generate_s = time.monotonic() - t
-        # vLLM's own per-request TTFT (frontend arrival -> first token), not the decode after it
-        ttft_s = float(getattr(out.metrics, "first_token_latency", 0.0) or 0.0)
-        if ttft_s <= 0.0:
-            raise RuntimeError("RequestOutput.metrics.first_token_latency missing; fix: run with "
-                               "disable_log_stats=False (vLLM fills it only when it logs stats)")
-        requests.append({"ttft_s": ttft_s, "generate_s": generate_s, "check_tokens": list(out.outputs[0].token_ids),
-                         "num_cached_tokens": out.num_cached_tokens or 0})
+        request = {"ttft_s": ttft_of(out), "generate_s": generate_s,
+                   "check_tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens or 0}
+        if cfg.get("repeat_local"):  # the same prompt again: a local prefix hit, nothing loaded
+            again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            request.update(local_ttft_s=ttft_of(again), local_cached_tokens=again.num_cached_tokens or 0)
+        requests.append(request)
     external = 0.0
     for m in llm.get_metrics():
         if m.name == "vllm:external_prefix_cache_hits":
@@ -190,6 +209,7 @@ def run(args: argparse.Namespace) -> dict:
     # shorter than the connector's min_span_tokens (64): sparkcache does not capture it, so no
     # background publication overlaps the timed requests (ExampleConnector stores it in-step)
     warmup = [rng.randrange(3, vocab) for _ in range(40)]
+    reusable = (args.prompt_tokens - 1) // BLOCK * BLOCK
     base = {"model": model, "dtype": dtype, "prompts": prompts, "warmup": warmup,
             "check_tokens": args.check_tokens, "max_model_len": max(4096, args.prompt_tokens + 64),
             "cold": args.cold}
@@ -200,7 +220,8 @@ def run(args: argparse.Namespace) -> dict:
     populate: dict[str, list[float]] = {}
     for arm in ARMS[1:]:  # the restore arms store the prompts first, in a life of their own
         t = time.monotonic()
-        stored = run_life({**base, "arm": arm, "root": str(work / arm), "warmup": None, "check_tokens": 1})
+        stored = run_life({**base, "arm": arm, "root": str(work / arm), "warmup": None, "check_tokens": 1,
+                           "repeat_local": False})
         populate[arm] = [r["ttft_s"] for r in stored["requests"]]
         print(f"[{arm}] stored {len(prompts)} prompts in {time.monotonic() - t:.0f} s "
               f"(ttft {' '.join(f'{x:.2f}' for x in populate[arm])} s)", flush=True)
@@ -208,31 +229,42 @@ def run(args: argparse.Namespace) -> dict:
     # busier or quieter during the run shifts every arm alike.
     for rep in range(args.reps):
         for arm in ARMS:
-            life = run_life({**base, "arm": arm, "root": str(work / arm)})
+            if arm == "recompute" and rep >= args.recompute_reps:
+                continue
+            life = run_life({**base, "arm": arm, "root": str(work / arm), "repeat_local": True})
             startups[arm].append(life["startup_s"])
             external[arm] += life["external_hit_tokens"]
             for i, r in enumerate(life["requests"]):
+                if r["local_cached_tokens"] < reusable:
+                    raise RuntimeError(f"[{arm}] rep {rep} prompt {i}: the repeat hit {r['local_cached_tokens']} "
+                                       f"local tokens, not {reusable}; it is no baseline for the restore")
                 timed.append(Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
-                                   r["num_cached_tokens"]))
+                                   r["num_cached_tokens"], r["local_ttft_s"], r["ttft_s"] - r["local_ttft_s"]))
             print(f"[{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
+                  " s, local repeat " + " ".join(f"{r['local_ttft_s']:.3f}" for r in life["requests"]) +
                   f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, "
                   f"startup {life['startup_s']:.0f} s)", flush=True)
     arms = {}
     for arm in ARMS:
         mine = [t for t in timed if t.arm == arm]
         ts = [t.ttft_s for t in mine]
-        arms[arm] = ArmSummary(arm, _median(ts), min(ts), _median([t.ttft_s for t in mine if t.prompt == 0]), ts,
+        lives = sorted({t.rep for t in mine})
+        arms[arm] = ArmSummary(arm, _median(ts), min(ts), _median([t.ttft_s for t in mine if t.prompt == 0]),
+                               _median([t.local_ttft_s for t in mine]),
+                               _median([t.restore_overhead_s for t in mine]),
+                               [_median([t.ttft_s for t in mine if t.rep == r]) for r in lives], ts,
                                min(t.num_cached_tokens for t in mine), external[arm], _median(startups[arm]),
                                populate.get(arm))
 
     def consistent(*names: str) -> bool:  # one greedy output per prompt across these arms' lives
         return all(len({tuple(t.check_tokens) for t in timed if t.arm in names and t.prompt == i}) == 1
                    for i in range(len(prompts)))
-    reusable = (args.prompt_tokens - 1) // BLOCK * BLOCK
     rec, sc, ex = (arms[a].ttft_median_s for a in ARMS)
     # the same request of the same round, sparkcache against ExampleConnector
     pairs = {(t.rep, t.prompt): t.ttft_s for t in timed if t.arm == "example"}
     paired = [pairs[(t.rep, t.prompt)] / t.ttft_s for t in timed if t.arm == "sparkcache"]
+    sc_over, ex_over = (arms[a].restore_overhead_median_s for a in ("sparkcache", "example"))
+    rounds = list(zip(arms["sparkcache"].life_medians_s, arms["example"].life_medians_s))
     result = {
         "bench": "restore_ttft",
         "prompt_tokens": args.prompt_tokens, "prompts": len(prompts), "block_size": BLOCK,
@@ -244,12 +276,15 @@ def run(args: argparse.Namespace) -> dict:
         "timed": [asdict(t) for t in timed],
         "ratios": {"recompute_over_sparkcache": rec / sc, "example_over_sparkcache": ex / sc,
                    "example_over_sparkcache_paired_median": _median(paired),
-                   "sparkcache_faster_in_pairs": f"{sum(r >= 1 for r in paired)}/{len(paired)}"},
+                   "sparkcache_faster_in_pairs": f"{sum(r >= 1 for r in paired)}/{len(paired)}",
+                   "sparkcache_faster_in_rounds": f"{sum(s <= e for s, e in rounds)}/{len(rounds)}",
+                   "example_over_sparkcache_restore_overhead": ex_over / sc_over if sc_over > 0 else None},
         "outputs": {"each_arm_consistent": all(consistent(a) for a in ARMS),
                     "restore_arms_identical": consistent("sparkcache", "example"),
                     "recompute_identical_to_restore": consistent(*ARMS)},
         "targets": {"sparkcache_faster_than_recompute": sc < rec,
                     "sparkcache_at_least_as_fast_as_example": sc <= ex,
+                    "sparkcache_restore_overhead_at_most_example": sc_over <= ex_over,
                     "sparkcache_restored_everything": arms["sparkcache"].num_cached_tokens == reusable,
                     "example_restored_everything": arms["example"].num_cached_tokens == reusable},
         "page_cache": ("cold (dropped in every timed life before each timed request)"
@@ -273,10 +308,12 @@ def table(result: dict) -> str:
              f"{m['kv_bytes_per_token']} KV bytes/token, {m['flops_per_kv_byte']} FLOP per KV byte",
              f"{result['prompts']} prompts of {result['prompt_tokens']} tokens, median of {result['reps']} "
              f"restarts x {result['prompts']} requests per arm",
-             f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'1st s':>9}{'cached':>8}{'vs recompute':>14}"]
+             f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'1st s':>9}{'local s':>9}{'added s':>9}{'cached':>8}"
+             f"{'vs recompute':>14}"]
     for arm, s in arms.items():
         lines.append(f"{arm:<12}{s['ttft_median_s']:>9.3f}{s['ttft_min_s']:>9.3f}"
-                     f"{s['first_after_restart_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
+                     f"{s['first_after_restart_median_s']:>9.3f}{s['local_ttft_median_s']:>9.3f}"
+                     f"{s['restore_overhead_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
                      f"{rec / s['ttft_median_s']:>13.2f}x")
     lines.append(f"ratios: {result['ratios']}")
     lines.append(f"outputs: {result['outputs']}; targets: {result['targets']}")
@@ -290,6 +327,8 @@ def parser() -> argparse.ArgumentParser:
     a("--prompt-tokens", type=int, default=2100)
     a("--reps", type=int, default=3, help="timed fresh restarts per arm (median reported)")
     a("--prompts", type=int, default=4, help="distinct prompts, each restored once per timed life")
+    a("--recompute-reps", type=int, default=1, help="rounds that include a timed life of the recompute arm "
+      "(the first ones; default 1)")
     a("--check-tokens", type=int, default=8, help="greedy output tokens of the timed request, compared across arms")
     a("--model", choices=("bench", "tiny"), default="bench")
     a("--dtype", default=None, help="override the model's dtype (default: the spec's)")
@@ -308,9 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         result = _engine_life(json.loads(args.engine_life))
         print(RESULT_MARKER + json.dumps(result), flush=True)
         os._exit(0)  # do not wait for the engine's stray threads
-    if args.prompt_tokens < 64 or args.reps < 1 or args.prompts < 1:
-        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} / --reps {args.reps} / --prompts {args.prompts}: "
-                         "need >= 64, >= 1 and >= 1")
+    if args.prompt_tokens < 64 or args.reps < 1 or args.prompts < 1 or not 1 <= args.recompute_reps <= args.reps:
+        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} / --reps {args.reps} / --prompts {args.prompts} / "
+                         f"--recompute-reps {args.recompute_reps}: need >= 64, >= 1, >= 1 and 1..--reps")
     result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
