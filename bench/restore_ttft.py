@@ -1,7 +1,7 @@
 """Time to first token after an engine restart: recompute vs sparkcache vs vLLM's ExampleConnector.
 
     python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3] [--prompts 4]
-        [--recompute-reps 1] [--cold]
+        [--recompute-reps 1] [--kv-cache-gib 1] [--cold]
 
 One run, three arms, the same ``--prompts`` prompts (random token ids, 2,000+ tokens each,
 no shared prefix), greedy:
@@ -36,8 +36,12 @@ The model is ``sparkcache.tinymodel.BENCH``, a random-weight Llama made offline 
 1024, 8 layers, 16 query / 4 KV heads of 64, bf16): its compute per token against KV bytes
 per token is that of a real small model, unlike the tiny test model, which recomputes
 faster than any disk read. Both figures are in the JSON (``model``). The store's pages sit
-in the OS page cache when read (both connectors alike), unless ``--cold`` drops the page cache
-in each timed life right before each timed request.
+in the OS page cache when read (both connectors alike), unless ``--cold`` takes the arm's stored
+files out of it (``POSIX_FADV_DONTNEED``) right before each timed request; the fraction of the
+stored files' pages in the page cache just before each request is measured (``mincore``) and
+kept. Every life gets a KV cache of ``--kv-cache-gib`` (vLLM's ``kv_cache_memory_bytes``): by
+default vLLM's CPU backend takes ~90% of the machine's memory for it, which pushes the stored
+files out of the page cache at random, in either arm.
 Medians over ``--reps`` fresh restarts x ``--prompts`` requests per arm; the timed lives interleave the arms (a round
 of one life per arm, ``--reps`` times), so drift of a shared machine hits every arm alike. The recompute arm,
 20x slower than either restore, has a timed life in the first ``--recompute-reps`` rounds only.
@@ -56,7 +60,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.store_throughput import drop_caches
+from bench.page_cache import evict, files_under, resident_fraction
 from contracts.engine_driver import RESULT_MARKER, run_in_fresh_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,6 +96,7 @@ class Timed:
     check_tokens: list[int]
     num_cached_tokens: int
     local_ttft_s: float             # the same prompt again right after: a local prefix hit, no load
+    resident_fraction: float        # of the arm's stored files' pages, in the page cache before it
     restore_overhead_s: float       # ttft_s - local_ttft_s
 
 
@@ -104,6 +109,7 @@ class ArmSummary:
     local_ttft_median_s: float      # the repeats (a local hit: the same compute, no load)
     restore_overhead_median_s: float  # median of ttft_s - local_ttft_s (within one life)
     life_medians_s: list[float]     # median TTFT of each timed life, in round order
+    resident_fraction_range: tuple[float, float]  # of the stored files in the page cache, before a request
     ttft_all_s: list[float]
     num_cached_tokens: int          # the fewest of any timed request
     external_hit_tokens: float      # vllm:external_prefix_cache_hits, summed over the timed lives
@@ -146,7 +152,8 @@ def _engine_life(cfg: dict) -> dict:
     t0 = time.monotonic()
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enable_prefix_caching=True,
               max_model_len=cfg["max_model_len"], block_size=BLOCK, kv_transfer_config=kvt,
-              disable_log_stats=False, seed=0, max_num_batched_tokens=cfg["max_model_len"])
+              disable_log_stats=False, seed=0, max_num_batched_tokens=cfg["max_model_len"],
+              kv_cache_memory_bytes=cfg["kv_cache_bytes"])
     startup_s = time.monotonic() - t0
     greedy = dict(temperature=0.0, ignore_eos=True)
     if cfg.get("warmup"):
@@ -161,15 +168,16 @@ def _engine_life(cfg: dict) -> dict:
                                "disable_log_stats=False (vLLM fills it only when it logs stats)")
         return ttft_s
 
+    stored = files_under(cfg["root"]) if cfg["arm"] != "recompute" else []
     requests = []
     for prompt in cfg["prompts"]:  # one at a time: each TTFT is its own request's alone
-        if cfg.get("cold") and not drop_caches():
-            raise RuntimeError("--cold: cannot write /proc/sys/vm/drop_caches; fix: run as root, or "
-                               "measure without --cold")
+        if cfg.get("cold"):
+            evict(stored)
+        resident = resident_fraction(stored)
         t = time.monotonic()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         generate_s = time.monotonic() - t
-        request = {"ttft_s": ttft_of(out), "generate_s": generate_s,
+        request = {"ttft_s": ttft_of(out), "generate_s": generate_s, "resident_fraction": resident,
                    "check_tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens or 0}
         if cfg.get("repeat_local"):  # the same prompt again: a local prefix hit, nothing loaded
             again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
@@ -212,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
     reusable = (args.prompt_tokens - 1) // BLOCK * BLOCK
     base = {"model": model, "dtype": dtype, "prompts": prompts, "warmup": warmup,
             "check_tokens": args.check_tokens, "max_model_len": max(4096, args.prompt_tokens + 64),
-            "cold": args.cold}
+            "cold": args.cold, "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30))}
     work = Path(tempfile.mkdtemp(prefix="restore_ttft-", dir=args.work_dir))
     timed: list[Timed] = []
     startups: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -239,10 +247,13 @@ def run(args: argparse.Namespace) -> dict:
                     raise RuntimeError(f"[{arm}] rep {rep} prompt {i}: the repeat hit {r['local_cached_tokens']} "
                                        f"local tokens, not {reusable}; it is no baseline for the restore")
                 timed.append(Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
-                                   r["num_cached_tokens"], r["local_ttft_s"], r["ttft_s"] - r["local_ttft_s"]))
+                                   r["num_cached_tokens"], r["local_ttft_s"], r["resident_fraction"],
+                                   r["ttft_s"] - r["local_ttft_s"]))
             print(f"[{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
                   " s, local repeat " + " ".join(f"{r['local_ttft_s']:.3f}" for r in life["requests"]) +
-                  f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, "
+                  f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, stored KV in page cache "
+                  f"{min(r['resident_fraction'] for r in life['requests']):.0%}-"
+                  f"{max(r['resident_fraction'] for r in life['requests']):.0%}, "
                   f"startup {life['startup_s']:.0f} s)", flush=True)
     arms = {}
     for arm in ARMS:
@@ -252,7 +263,8 @@ def run(args: argparse.Namespace) -> dict:
         arms[arm] = ArmSummary(arm, _median(ts), min(ts), _median([t.ttft_s for t in mine if t.prompt == 0]),
                                _median([t.local_ttft_s for t in mine]),
                                _median([t.restore_overhead_s for t in mine]),
-                               [_median([t.ttft_s for t in mine if t.rep == r]) for r in lives], ts,
+                               [_median([t.ttft_s for t in mine if t.rep == r]) for r in lives],
+                               (min(t.resident_fraction for t in mine), max(t.resident_fraction for t in mine)), ts,
                                min(t.num_cached_tokens for t in mine), external[arm], _median(startups[arm]),
                                populate.get(arm))
 
@@ -287,9 +299,10 @@ def run(args: argparse.Namespace) -> dict:
                     "sparkcache_restore_overhead_at_most_example": sc_over <= ex_over,
                     "sparkcache_restored_everything": arms["sparkcache"].num_cached_tokens == reusable,
                     "example_restored_everything": arms["example"].num_cached_tokens == reusable},
-        "page_cache": ("cold (dropped in every timed life before each timed request)"
+        "page_cache": ("cold (the arm's stored files evicted before each timed request)"
                        if args.cold else "warm (the stored files were written by the previous life on "
-                       "this machine)"),
+                       "this machine; resident_fraction_range says how much stayed)"),
+        "kv_cache_gib": args.kv_cache_gib,
         "cpu_count": os.cpu_count(),
     }
     if not args.keep:
@@ -309,12 +322,13 @@ def table(result: dict) -> str:
              f"{result['prompts']} prompts of {result['prompt_tokens']} tokens, median of {result['reps']} "
              f"restarts x {result['prompts']} requests per arm",
              f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'1st s':>9}{'local s':>9}{'added s':>9}{'cached':>8}"
-             f"{'vs recompute':>14}"]
+             f"{'vs recompute':>14}{'in page cache':>15}"]
     for arm, s in arms.items():
         lines.append(f"{arm:<12}{s['ttft_median_s']:>9.3f}{s['ttft_min_s']:>9.3f}"
                      f"{s['first_after_restart_median_s']:>9.3f}{s['local_ttft_median_s']:>9.3f}"
                      f"{s['restore_overhead_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
-                     f"{rec / s['ttft_median_s']:>13.2f}x")
+                     f"{rec / s['ttft_median_s']:>13.2f}x{s['resident_fraction_range'][0]:>9.0%}-"
+                     f"{s['resident_fraction_range'][1]:.0%}")
     lines.append(f"ratios: {result['ratios']}")
     lines.append(f"outputs: {result['outputs']}; targets: {result['targets']}")
     return "\n".join(lines)
@@ -335,8 +349,10 @@ def parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--work-dir", default=None, help="where the stores live (default: the system temp dir)")
     a("--keep", action="store_true", help="keep the stores after the run")
-    a("--cold", action="store_true", help="drop the page cache (root) in each timed life right before "
-      "the timed request, so both connectors read the stored KV from disk")
+    a("--kv-cache-gib", type=float, default=1.0, help="KV cache of every engine life, GiB (default 1; vLLM's "
+      "CPU default, ~90%% of memory, evicts the stored files from the page cache at random)")
+    a("--cold", action="store_true", help="take the arm's stored files out of the page cache right before "
+      "each timed request, so both connectors read the stored KV from disk")
     a("--engine-life", default=None, help=argparse.SUPPRESS)
     return p
 

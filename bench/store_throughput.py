@@ -43,6 +43,7 @@ import shutil
 import sys
 import time
 
+from bench.page_cache import drop_caches
 from sparkcache.settings import parse_bytes
 from sparkcache.store import Identity, PageStore
 from sparkcache.store.layout import WRITE_CHUNK, parallel_map, write_all
@@ -55,16 +56,6 @@ def settle(seconds: float) -> None:
     """Sync, then idle: let the device finish the previous pass before the next is timed."""
     os.sync()
     time.sleep(seconds)
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def make_pages(n: int, size: int) -> list[bytes]:
