@@ -23,8 +23,9 @@ request, the same prompt is sent again: a local prefix-cache hit on the same 2,0
 the same last tokens to compute, with no connector load. Its TTFT (``local_ttft_s``) is that
 life's price of the rest of the request, so ``ttft_s - local_ttft_s`` is what the restore
 itself added (``restore_overhead_s``), free of how fast that engine life happens to compute
-(lives of one arm differ by 10-20% on this shared machine, more than the two restores do). Several prompts per life
-give each arm ``--reps`` x ``--prompts`` samples for the cost of ``--reps`` engine starts;
+(lives of one arm differ by 10-20% on this shared machine, more than the two restores do).
+Several prompts per life give each arm ``--reps`` x ``--prompts`` samples for the cost of
+``--reps`` engine starts;
 the JSON also keeps the median of the first request after each restart apart. The run fails
 unless every arm's lives give one greedy output per prompt and the two restore arms give the same one (they
 place the same stored KV and prefill the same last tokens). The recompute arm is compared

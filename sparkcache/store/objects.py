@@ -92,10 +92,10 @@ class ObjectStore:
         readahead (large folios) brings the rest while the first part is hashed: 17 MB cold,
         4 objects, 20 ms, against 24 ms asking for each whole (``POSIX_FADV_WILLNEED``, small
         folios) and then populating; with the next object asked for meanwhile
-        (``read_many_verified``) 16 ms. Safe because objects are immutable: written under a temp name and renamed, never
-        rewritten in place; an unlink (eviction) leaves the mapping valid (another program
-        truncating a mapped object in place would fault the reader with SIGBUS; nothing in
-        sparkcache does)."""
+        (``read_many_verified``) 16 ms. Safe because objects are immutable: written under a
+        temp name and renamed, never rewritten in place; an unlink (eviction) leaves the
+        mapping valid (another program truncating a mapped object in place would fault the
+        reader with SIGBUS; nothing in sparkcache does)."""
         fd = self._open_checked(digest, size)
         try:
             if size == 0:  # nothing to map
