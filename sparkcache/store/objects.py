@@ -113,18 +113,18 @@ class ObjectStore:
         _check_digest(digest, data)
         return data
 
-    def fetch_ahead(self, refs: list) -> None:
-        """Ask the kernel to read ``refs``' objects that are not in the page cache, without
-        waiting (readahead hints; a missing or bad object is left for the read to report)."""
-        for ref in refs:
-            try:
-                fd = self._open_checked(ref.digest, ref.size)
-            except ObjectError:
-                continue
-            try:
-                _fetch_if_cold(fd, ref.size)
-            finally:
-                os.close(fd)
+    def fetch_ahead(self, ref) -> None:
+        """Ask the kernel to read the object unless it is in the page cache, without waiting
+        (a readahead hint; a missing or bad object is left for the read to report)."""
+        try:
+            fd = self._open_checked(ref.digest, ref.size)
+        except ObjectError:
+            return
+        try:
+            if hasattr(os, "posix_fadvise") and not _in_page_cache(fd, ref.size):
+                os.posix_fadvise(fd, 0, ref.size, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
     def _open_checked(self, digest: str, size: int) -> int:
         """An fd of the object, opened without following links, with its size checked."""
@@ -156,7 +156,8 @@ class ObjectStore:
         # One after the other; the next page is asked for while this one is hashed.
         out = []
         for i, ref in enumerate(refs):
-            self.fetch_ahead(refs[i + 1:i + 2])
+            if i + 1 < len(refs):
+                self.fetch_ahead(refs[i + 1])
             out.append(self.map_verified(ref.digest, ref.size))
         return out
 
@@ -271,12 +272,6 @@ def _in_page_cache(fd: int, size: int) -> bool:
         return os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
     except (BlockingIOError, OSError):
         return False
-
-
-def _fetch_if_cold(fd: int, size: int) -> None:
-    """Start reading the whole file into the page cache unless it is there (returns at once)."""
-    if hasattr(os, "posix_fadvise") and not _in_page_cache(fd, size):
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
 
 
 def _check_digest(digest: str, data) -> None:
