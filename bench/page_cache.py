@@ -64,9 +64,10 @@ def evict(paths: list[str]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    if resident_fraction(paths) > 0:
-        drop_caches()
     left = [p for p in paths if resident_pages(p)[0]]
+    if left:
+        drop_caches()
+        left = [p for p in left if resident_pages(p)[0]]
     if left:
         raise RuntimeError(f"{left[0]} (and {len(left) - 1} more): still in the page cache after "
                            "POSIX_FADV_DONTNEED and drop_caches; fix: run as root, on a disk "
