@@ -6,6 +6,13 @@ Used by the host suite (tests/connector) and by the contract suite inside an ima
     python -m contracts.engine_driver '{"model": DIR, "connector": "sparkcache"|"example"|"none",
         "extra": {...}, "prompts": [[ids...]], "max_tokens": 16, "block_size": 32}'
 
+A prompt is a list of token ids, or ``{"ids": [...], "cache_salt": "s", "lora": {"name": "a",
+"id": 1, "path": DIR}}`` (both keys optional): the salt goes into ``TokensPrompt(cache_salt=)``,
+the adapter into ``llm.generate(lora_request=LoRARequest(name, id, path))``. LoRA must be
+enabled for the engine life with ``"lora": {"max_lora_rank": 8, "max_loras": 2}`` (both
+optional, defaults shown), e.g. with an adapter from ``sparkcache.tinymodel.make_tiny_lora``;
+with it on, a prompt without an adapter runs on the base model.
+
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
 wall time of the generate call, and vLLM's own counters (``llm.get_metrics()``).
@@ -30,6 +37,7 @@ def run(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     kvt = None
     if cfg.get("connector", "sparkcache") == "sparkcache":
@@ -40,17 +48,30 @@ def run(cfg: dict) -> dict:
     elif cfg["connector"] == "example":
         kvt = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                kv_connector_extra_config={"shared_storage_path": cfg["example_path"]})
+    lora = cfg.get("lora")
+    lora_kwargs = {}
+    if lora is not None:
+        lora_kwargs = {"enable_lora": True, "max_lora_rank": lora.get("max_lora_rank", 8),
+                       "max_loras": lora.get("max_loras", 2)}
     t0 = time.monotonic()
     llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enable_prefix_caching=True,
               max_model_len=cfg.get("max_model_len", 4096), block_size=cfg.get("block_size", 32),
               kv_transfer_config=kvt, disable_log_stats=False, seed=0,
-              max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096))
+              max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096), **lora_kwargs)
     startup_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
     results = []
-    for ids in cfg["prompts"]:
+    for item in cfg["prompts"]:
+        item = item if isinstance(item, dict) else {"ids": item}
+        ids = item["ids"]
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if item.get("cache_salt") is not None:
+            prompt["cache_salt"] = item["cache_salt"]
+        adapter = item.get("lora")
+        lora_request = (LoRARequest(adapter["name"], adapter["id"], adapter["path"])
+                        if adapter else None)
         t = time.monotonic()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
                         "kv_transfer_params": out.kv_transfer_params,
                         "generate_s": time.monotonic() - t, "prompt_tokens": len(ids)})

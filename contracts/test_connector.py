@@ -3,7 +3,7 @@
 End to end, each engine life in its own process on one store root (the host's
 tests/connector/test_engine_restore.py, shortened): read-write cold (computes and publishes),
 then read-write after a restart (restores the stored prefix); the restored greedy output must
-equal the computed one. The model is made offline inside the container.
+equal the computed one, and the stored entry's identity must name the image's transform lock. The model is made offline inside the container.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def tiny_model(tmp_path_factory) -> str:
     return make_tiny_model(TINY, cache_dir=tmp_path_factory.mktemp("models"))
 
 
-def test_publish_restart_restore_identical_output(tiny_model, tmp_path):
+def test_publish_restart_restore_identical_output(tiny_model, tmp_path, lock):
     rng = random.Random(1)
     prompt = [rng.randrange(3, 512) for _ in range(2100)]
     reusable = (len(prompt) - 1) // BLOCK * BLOCK
@@ -55,3 +55,10 @@ def test_publish_restart_restore_identical_output(tiny_model, tmp_path):
     assert got["num_cached_tokens"] == reusable == record["external_tokens"], restored["log"][-3000:]
     assert record["complete"] and record["local_hit_tokens"] + record["external_tokens"] + record["recomputed_tokens"] == len(prompt)
     assert got["tokens"] == cold["tokens"]
+    # the entry's identity names the vLLM this image runs: its transform lock, every file at its postimage
+    from sparkcache.connector.identity import installed_runtime
+    from sparkcache.store.manifests import decode
+
+    manifests = [p for p in (tmp_path / "store" / "default" / "manifests").rglob("*") if p.is_file()]
+    assert len(manifests) == 1, manifests
+    assert decode(manifests[0].read_bytes()).identity.runtime_lock_hash == installed_runtime() == "sha256:" + lock.sha256

@@ -206,6 +206,11 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "pass may reclaim.", minimum=_MiB, maximum=1 << 50),
     SettingRow("MAINTENANCE_MAX_MS", "float", 100.0, "Budget: wall milliseconds one "
                "maintenance pass may take.", minimum=1, maximum=60_000),
+    SettingRow("WEIGHTS_FINGERPRINT", "str", "", "Declared fingerprint of the model weights "
+               "(e.g. their commit or content hash), used in the store identity instead of the "
+               "one computed from the local weight files; required when the weights are not "
+               "local files. Change it whenever the weights change, or wrong KV is restored.",
+               pattern=r"[A-Za-z0-9._:@/+=-]{0,256}"),
     SettingRow("MAINTENANCE_INTERVAL_SECONDS", "float", 1.0, "Guaranteed idle pause between "
                "two maintenance passes.", minimum=0.01, maximum=3600),
 )
@@ -234,6 +239,7 @@ class Settings:
     maintenance_max_entries: int
     maintenance_max_bytes: int
     maintenance_max_ms: float
+    weights_fingerprint: str
     maintenance_interval_seconds: float
 
     def replace(self, **changes: Any) -> "Settings":

@@ -14,7 +14,13 @@ Two presets:
   real 1-8B models sit at ~75-120K, so restores win there by more; the tiny model is at
   ~0.9K. Used by ``bench/restore_ttft.py`` (which records these figures in its JSON).
 
-Usage: ``python -m sparkcache.tinymodel [tiny|bench]`` prints the directory.
+``make_tiny_lora(model_dir, seed)`` writes a random PEFT-format LoRA adapter (rank 8 by
+default, on q/k/v/o of every layer) for such a model, cached the same way; its ``lora_B`` is
+far from zero (PEFT initialises it to zero), so adapters of different seeds change greedy
+outputs visibly, and differently.
+
+Usage: ``python -m sparkcache.tinymodel [tiny|bench]`` prints the directory;
+``python -m sparkcache.tinymodel lora [SEED]`` prints a LoRA adapter's directory for ``TINY``.
 """
 
 from __future__ import annotations
@@ -164,6 +170,64 @@ def make_tiny_model(spec: TinyModelSpec = TINY, cache_dir: str | os.PathLike | N
     return str(out)
 
 
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def make_tiny_lora(model_dir: str, seed: int, rank: int = 8,
+                   cache_dir: str | os.PathLike | None = None) -> str:
+    """A random PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``) for
+    the Llama in ``model_dir`` (sizes read from its ``config.json``), on ``q/k/v/o_proj`` of
+    every layer, weights from ``torch.Generator().manual_seed(seed)``: ``lora_A`` ~ N(0, 1/in),
+    ``lora_B`` ~ N(0, 0.5^2), alpha = 2 * rank. Built once, then reused. Returns its path."""
+    import torch
+    from safetensors.torch import save_file
+
+    config_text = (Path(model_dir) / "config.json").read_text()
+    cfg = json.loads(config_text)
+    key = hashlib.sha256(json.dumps({"model_dir": str(model_dir), "config": config_text,
+                                     "seed": seed, "rank": rank}, sort_keys=True).encode()
+                         + b"|lora-v1").hexdigest()[:16]
+    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = base / f"lora-r{rank}-s{seed}-{key}"
+    if (out / ".complete").exists():
+        return str(out)
+    h = cfg["hidden_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q = cfg["num_attention_heads"] * hd
+    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}  # (in, out)
+    dtype = getattr(torch, cfg.get("torch_dtype", "float32"))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj in _LORA_TARGETS:
+            n_in, n_out = shapes[proj]
+            p = f"base_model.model.model.layers.{layer}.self_attn.{proj}."
+            tensors[p + "lora_A.weight"] = (torch.randn(rank, n_in, generator=g) / n_in ** 0.5).to(dtype)
+            tensors[p + "lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * 0.5).to(dtype)
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
+        "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": list(_LORA_TARGETS), "fan_in_fan_out": False, "inference_mode": True,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+    }
+    tmp = base / f".tmp-lora-{key}-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (tmp / ".complete").write_text(json.dumps({"model_dir": str(model_dir), "seed": seed, "rank": rank}))
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process won the race; theirs is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "tiny"
-    print(make_tiny_model({"tiny": TINY, "bench": BENCH}[which]))
+    if which == "lora":
+        print(make_tiny_lora(make_tiny_model(TINY), int(sys.argv[2]) if len(sys.argv) > 2 else 1))
+    else:
+        print(make_tiny_model({"tiny": TINY, "bench": BENCH}[which]))

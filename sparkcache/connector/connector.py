@@ -25,7 +25,7 @@ from sparkcache.metrics import StoreMetrics
 from sparkcache.settings import SettingsError, load_settings
 from sparkcache.store import PageStore
 
-from .keys import make_identity
+from .identity import make_identity
 from .scheduler_side import CapturePlan, LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
 from .worker_side import WorkerSide
@@ -83,6 +83,25 @@ def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
     return PageStore.from_settings(settings, metrics=metrics)
 
 
+def _worker_ranks() -> tuple[int, dict[str, int]]:
+    """This worker's tensor-parallel rank, and its pipeline and prefill-context-parallel
+    ranks (which layers and tokens its pages hold)."""
+    from vllm.distributed import parallel_state as ps
+
+    def rank_in(group: str) -> int:
+        getter = getattr(ps, f"get_{group}_group", None)
+        try:
+            return int(getter().rank_in_group) if getter else 0
+        except AssertionError:  # the group was never initialised: a single rank
+            return 0
+
+    try:
+        tp_rank = ps.get_tensor_model_parallel_rank()
+    except AssertionError:
+        tp_rank = 0
+    return tp_rank, {"pp_rank": rank_in("pp"), "pcp_rank": rank_in("pcp")}
+
+
 def _ensure_log_handler() -> None:
     """Make ``sparkcache.*`` INFO lines (the attribution record) visible in vLLM's processes.
 
@@ -112,20 +131,18 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = int(vllm_config.cache_config.block_size)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        declared = self.settings.weights_fingerprint
         if role == KVConnectorRole.SCHEDULER:
-            identity, attention_only = make_identity(vllm_config, kv_cache_config, 0)
+            identity, attention_only = make_identity(vllm_config, kv_cache_config, 0,
+                                                     declared_weights=declared)
             store = _open_store(self.settings, metrics=None)
             self._sched = SchedulerSide(self.settings, identity, store, self.block_size,
                                         attention_only, len(kv_cache_config.kv_cache_groups))
             self._sched.num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         else:
-            try:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-                rank = get_tensor_model_parallel_rank()
-            except Exception:
-                rank = 0
-            identity, attention_only = make_identity(vllm_config, kv_cache_config, rank)
+            rank, ranks = _worker_ranks()
+            identity, attention_only = make_identity(vllm_config, kv_cache_config, rank,
+                                                     ranks=ranks, declared_weights=declared)
             self.metrics = StoreMetrics(rank=str(rank))
             store = _open_store(self.settings, metrics=self.metrics)
             self._worker = WorkerSide(self.settings, identity, store, kv_cache_config,

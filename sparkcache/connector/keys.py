@@ -1,83 +1,69 @@
-"""Store identity and block keys, computed the same way by the scheduler and the workers.
+"""Block keys: computed by the scheduler, the same in every process and after a restart.
 
-Block keys are our own chain over token ids (sha256), not vLLM's block hashes: vLLM seeds
-its chain per process unless PYTHONHASHSEED is set, so its hashes do not survive a restart.
+A block's key changes whenever its KV bytes can, for the reasons vLLM's own prefix-cache
+keys change (``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``)
+and one more. The chain (scheme ``KEY_SCHEME``, docs/CONNECTOR.md):
+
+    d_0 = sha256(b"sparkcache-block-key-v2")
+    d_i = sha256(d_{i-1} || token ids of block i as little-endian uint32
+                         || canonical(extra keys of block i))
+    key_i = hex(d_i)[:40]
+
+where the extra keys are vLLM's for that block (LoRA name and path; each multimodal item in
+the block with its offset; ``cache_salt`` on block 0; the sha256 of the block's prompt
+embeddings) followed, on block 0 of a LoRA request, by ``("lora_files", fingerprint of the
+adapter directory)``: vLLM keys an adapter by name and path, so an adapter rewritten at
+the same path would otherwise restore KV computed with the old one.
+
+Our own chain rather than ``request.block_hashes``: it does not depend on vLLM's
+prefix-caching hash algorithm, its seed (``PYTHONHASHSEED``, random per process for xxhash)
+or on prefix caching being on.
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
-import json
-import os
 import sys
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from sparkcache.store import Identity
-
-_LOCK_ENV = "SPARKCACHE_RUNTIME_LOCK"
-_KEY_SEED = b"sparkcache-block-key-v1"
+KEY_SCHEME = "sparkcache-block-key-v2"
 _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 
-
-def runtime_lock_hash() -> str:
-    """sha256 of ``transforms/vllm-0.32.0.lock.json`` (or the file named by
-    SPARKCACHE_RUNTIME_LOCK); 'untransformed' when there is none."""
-    candidates = [os.environ.get(_LOCK_ENV, "")]
-    candidates.append(str(Path(__file__).resolve().parents[2] / "transforms" / "vllm-0.32.0.lock.json"))
-    for path in candidates:
-        if path and os.path.isfile(path):
-            with open(path, "rb") as f:
-                return "sha256:" + hashlib.sha256(f.read()).hexdigest()
-    return "untransformed"
+ExtraKeys = Callable[[int, int], Any]  # (start token, end token) of a block -> its extra keys
 
 
-def describe_kv_layout(kv_cache_config: Any) -> tuple[str, bool]:
-    """(layout string, whether every group is full attention the worker can copy).
-
-    The string changes whenever page bytes would: spec type, heads, head size, dtype,
-    block size, layer names per group, and vLLM's kv_cache_layout.
-    """
-    groups = []
-    attention_only = True
-    for g in kv_cache_config.kv_cache_groups:
-        spec = g.kv_cache_spec
-        kind = type(spec).__name__
-        if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
-            attention_only = False
-        groups.append({
-            "spec": kind, "layers": list(g.layer_names),
-            "block_size": getattr(spec, "block_size", None),
-            "num_kv_heads": getattr(spec, "num_kv_heads", None),
-            "head_size": getattr(spec, "head_size", None),
-            "head_size_v": getattr(spec, "head_size_v", None),
-            "dtype": str(getattr(spec, "dtype", getattr(spec, "dtypes", ""))),
-            "shapes": str(getattr(spec, "shapes", "")),
-        })
-    layout = {"groups": groups, "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", ""))}
-    return json.dumps(layout, sort_keys=True, separators=(",", ":")), attention_only
-
-
-def make_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> tuple[Identity, bool]:
-    mc = vllm_config.model_config
-    model = f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}:{mc.dtype}"
-    layout, attention_only = describe_kv_layout(kv_cache_config)
-    identity = Identity(model=model, kv_layout=layout,
-                        block_size=int(vllm_config.cache_config.block_size),
-                        tp_rank=int(tp_rank), runtime_lock_hash=runtime_lock_hash())
-    return identity, attention_only
+def canonical(value: Any) -> bytes:
+    """An unambiguous byte encoding of an extra key: None, bool, int, str, bytes and
+    tuples/lists of them; anything else is a TypeError (never a guess)."""
+    if value is None:
+        return b"N"
+    if isinstance(value, bool):
+        return b"T" if value else b"F"
+    if isinstance(value, int):
+        return b"I%d;" % value
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+        return b"S%d:" % len(data) + data
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        return b"B%d:" % len(data) + data
+    if isinstance(value, (tuple, list)):
+        return b"L%d:" % len(value) + b"".join(canonical(v) for v in value)
+    raise TypeError(f"block key: cannot encode an extra key of type {type(value).__name__}: {value!r}")
 
 
 class BlockKeys:
-    """Chained keys of one request's full blocks, extended on demand."""
+    """Chained keys of one request's full blocks, extended on demand. ``extra_keys`` gives
+    a block's extra keys from its token range (None: the block has none)."""
 
-    __slots__ = ("block_size", "keys", "_digest")
+    __slots__ = ("block_size", "keys", "_digest", "_extra_keys")
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, extra_keys: ExtraKeys | None = None) -> None:
         self.block_size = block_size
         self.keys: list[str] = []
-        self._digest = hashlib.sha256(_KEY_SEED).digest()
+        self._digest = hashlib.sha256(KEY_SCHEME.encode()).digest()
+        self._extra_keys = extra_keys
 
     def upto(self, token_ids: Sequence[int], n_blocks: int) -> list[str]:
         bs = self.block_size
@@ -86,11 +72,34 @@ class BlockKeys:
             chunk = token_ids[i * bs:(i + 1) * bs]
             if len(chunk) < bs:
                 break
+            extra = self._extra_keys(i * bs, (i + 1) * bs) if self._extra_keys else None
             h = hashlib.sha256(self._digest)
             h.update(_le_uint32(chunk))
+            h.update(canonical(extra))
             self._digest = h.digest()
             self.keys.append(self._digest.hex()[:40])
         return self.keys[:n_blocks]
+
+
+def request_extra_keys(request: Any, adapter_fingerprint: str | None) -> ExtraKeys | None:
+    """The extra keys of ``request``'s blocks (a vLLM ``Request``; ``adapter_fingerprint``
+    of its LoRA adapter, if any), or None for a request whose blocks have none. Blocks are
+    asked for in order, as ``BlockKeys`` does."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    if not (request.lora_request or request.mm_features or request.cache_salt
+            or request.prompt_embeds is not None):
+        return None
+    lora_files = (("lora_files", adapter_fingerprint),) if request.lora_request else ()
+    mm_index = 0
+
+    def extra(start: int, end: int) -> tuple | None:
+        nonlocal mm_index
+        keys, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
+        keys = tuple(keys or ()) + (lora_files if start == 0 else ())
+        return keys or None
+
+    return extra
 
 
 def _le_uint32(token_ids: Sequence[int]) -> bytes:

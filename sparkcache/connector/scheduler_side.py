@@ -37,7 +37,8 @@ from typing import Any
 from sparkcache.store.manifests import PageRef, pages_needed
 
 from .attribution import AttributionRecord, emit
-from .keys import BlockKeys
+from .identity import FileRecords, adapter_fingerprint
+from .keys import BlockKeys, request_extra_keys
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -99,6 +100,7 @@ class _ReqState:
     sync_consumed: int = 0                 # external tokens of the synchronous load admitted
     restore_refused: bool = False
     finished: bool = False
+    unsupported: str | None = None         # why this request is neither offered nor captured
 
 
 @dataclass
@@ -133,14 +135,24 @@ class SchedulerSide:
         self.num_workers = 1                      # worker reports expected per capture plan
         self.settle_timeout_s = 120.0
         self.unsettled: dict[str, tuple[int, float]] = {}  # req_id -> (reports owed, deadline)
+        self._adapter_files: FileRecords = {}
 
     # ------------------------------------------------------------------ requests
 
     def state(self, request: Any) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = _ReqState(request, BlockKeys(self.block_size),
-                           AttributionRecord(request.request_id, int(request.num_prompt_tokens)))
+            unsupported = unsupported_input(request)
+            fingerprint = None
+            if request.lora_request and unsupported is None:
+                fingerprint = adapter_fingerprint(request.lora_request.lora_path, self._adapter_files)
+                unsupported = None if fingerprint else "lora_unreadable"
+            extra = request_extra_keys(request, fingerprint) if unsupported is None else None
+            st = _ReqState(request, BlockKeys(self.block_size, extra),
+                           AttributionRecord(request.request_id, int(request.num_prompt_tokens)),
+                           unsupported=unsupported)
+            if unsupported:
+                self.counters.add("skipped_" + unsupported)
             self.reqs[request.request_id] = st
         return st
 
@@ -150,7 +162,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self.state(request)
         st.last_found = None
-        if self.mode not in RESTORING_MODES or self.store is None or st.restore_refused:
+        if self.mode not in RESTORING_MODES or self.store is None or st.restore_refused or st.unsupported:
             st.last_query = (num_computed_tokens, 0)
             return 0, False
         bs = self.block_size
@@ -301,7 +313,7 @@ class SchedulerSide:
         return True, params
 
     def _capture_plan(self, st: _ReqState, request: Any, block_ids: tuple[list[int], ...]) -> CapturePlan | None:
-        if self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only:
+        if self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only or st.unsupported:
             return None
         bs = self.block_size
         n_blocks = min(request.num_computed_tokens, len(request.all_token_ids)) // bs
@@ -335,3 +347,17 @@ class SchedulerSide:
     def take_counters(self) -> dict:
         data, self.counters.data = self.counters.data, {}
         return data
+
+
+UNSUPPORTED_INPUTS = ("multimodal", "prompt_embeds", "lora_unreadable")
+
+
+def unsupported_input(request: Any) -> str | None:
+    """Why a request's KV is neither offered nor captured (one of ``UNSUPPORTED_INPUTS``),
+    or None. Multimodal inputs and prompt embeddings are keyed (``keys.py``) but their
+    restore has not been shown end to end on the engine; until it is, they recompute."""
+    if request.mm_features:
+        return "multimodal"
+    if request.prompt_embeds is not None:
+        return "prompt_embeds"
+    return None

@@ -29,6 +29,10 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                         {"restored_tokens": ""}),
     "load_failures": ("Restores refused (corrupt, absent or unreadable); the request recomputes.",
                       None, {"restores_failed": ""}),
+    "skipped_requests": ("Requests neither offered a restore nor captured, by the kind of input "
+                         "sparkcache does not restore yet (they recompute).", "reason",
+                         {"skipped_multimodal": "multimodal", "skipped_prompt_embeds": "prompt_embeds",
+                          "skipped_lora_unreadable": "lora_unreadable"}),
     "offered_tokens": ("Tokens offered to the scheduler beyond the local hit.", None,
                        {"offered_tokens": ""}),
     "captures": ("Captures by outcome.", "outcome",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -14,10 +15,15 @@ BlockHash = Union[bytes, str, int]
 class Identity:
     """Everything that must agree for stored KV bytes to be valid for a reader.
 
-    model: model name/revision; kv_layout: dtype, layers, heads, head size, attention
-    groups (any string that changes when the page bytes would); block_size: tokens per
-    block; tp_rank: the tensor-parallel rank that owns the pages; runtime_lock_hash: the
-    hash of the pinned vLLM lock (a different runtime may lay out pages differently).
+    model: model name or path, revision and dtype; kv_layout: per KV group the spec, layers,
+    heads, head size and KV-cache dtype, and vLLM's kv_cache_layout (any string that changes
+    when the page bytes would); block_size: tokens per block; tp_rank: the tensor-parallel
+    rank that owns the pages; runtime_lock_hash: which vLLM is installed (the transform lock
+    its files match); weights: a fingerprint of the weight files; model_config: quantization,
+    ``hf_overrides``, load format and KV-cache dtype; parallel: tensor-parallel
+    size and every other setting that changes which heads or tokens a rank holds;
+    key_scheme: the definition of the block keys (a store of another scheme is not found).
+    The connector fills them (``sparkcache/connector/identity.py``); the store only compares.
     """
 
     model: str
@@ -25,21 +31,32 @@ class Identity:
     block_size: int
     tp_rank: int
     runtime_lock_hash: str
+    weights: str = ""
+    model_config: str = ""
+    parallel: str = ""
+    key_scheme: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"Identity.block_size={self.block_size!r}: must be a positive int")
         if not isinstance(self.tp_rank, int) or self.tp_rank < 0:
             raise ValueError(f"Identity.tp_rank={self.tp_rank!r}: must be an int >= 0")
+        for f in dataclasses.fields(self):
+            if f.type == "str" and not isinstance(getattr(self, f.name), str):
+                raise ValueError(f"Identity.{f.name}={getattr(self, f.name)!r}: must be a str")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Identity":
-        return cls(model=str(data["model"]), kv_layout=str(data["kv_layout"]),
-                   block_size=int(data["block_size"]), tp_rank=int(data["tp_rank"]),
-                   runtime_lock_hash=str(data["runtime_lock_hash"]))
+        """The identity a manifest records; ValueError for one of another sparkcache version
+        (a field missing or unknown): its entries are not ours to read."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"identity fields {sorted(data)} are not this sparkcache's "
+                             f"{sorted(names)} (an entry of another key scheme)")
+        return cls(**{name: data[name] for name in names})
 
     def digest(self) -> str:
         """A stable 32-hex-char name for this identity (its manifest directory)."""

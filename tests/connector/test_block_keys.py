@@ -1,28 +1,43 @@
-"""Block keys are an on-disk format: stored manifests are found again only if every version
-computes the same keys. The reference here is the definition (docs/CONNECTOR.md): a sha256
-chain seeded with ``sparkcache-block-key-v1``, each block's token ids as little-endian
-uint32, the key the first 40 hex characters of the chained digest."""
+"""Block keys are an on-disk format and the guard against restoring another input's KV.
+
+The reference here is the definition (docs/CONNECTOR.md, ``sparkcache/connector/keys.py``):
+a sha256 chain seeded with ``sparkcache-block-key-v2``; per block the token ids as
+little-endian uint32 and the canonical encoding of the block's extra keys; the key the
+first 40 hex characters of the chained digest. The requests are real vLLM ``Request``s.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sparkcache.connector.keys import BlockKeys
+from sparkcache.connector.identity import adapter_fingerprint
+from sparkcache.connector.keys import KEY_SCHEME, BlockKeys, canonical, request_extra_keys
+
+BS = 16
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _reference(tokens: list[int], block_size: int) -> list[str]:
-    digest, keys = hashlib.sha256(b"sparkcache-block-key-v1").digest(), []
+    digest, keys = hashlib.sha256(b"sparkcache-block-key-v2").digest(), []
     for i in range(len(tokens) // block_size):
         chunk = tokens[i * block_size:(i + 1) * block_size]
-        digest = hashlib.sha256(digest + b"".join(t.to_bytes(4, "little") for t in chunk)).digest()
+        digest = hashlib.sha256(digest + b"".join(t.to_bytes(4, "little") for t in chunk) + b"N").digest()
         keys.append(digest.hex()[:40])
     return keys
 
 
 def test_keys_follow_the_definition_and_extend_incrementally():
+    assert KEY_SCHEME == "sparkcache-block-key-v2"
     rng = random.Random(7)
     tokens = [rng.randrange(0, 2**32) for _ in range(32 * 9 + 5)]
     keys = BlockKeys(32)
@@ -33,3 +48,137 @@ def test_keys_follow_the_definition_and_extend_incrementally():
 def test_token_id_outside_uint32_is_refused():
     with pytest.raises(OverflowError):
         BlockKeys(2).upto([1, 2**32], 1)
+
+
+_atoms = st.none() | st.booleans() | st.integers() | st.text() | st.binary()
+_values = st.recursive(_atoms, lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_values, _values)
+def test_canonical_encoding_is_injective(a, b):
+    if type(a) is type(b) and a == b:
+        assert canonical(a) == canonical(b)
+    elif not (a == b and {type(a), type(b)} <= {bool, int}):
+        assert canonical(a) != canonical(b), (a, b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_values, min_size=1, max_size=3), st.lists(_values, min_size=1, max_size=3))
+def test_different_extra_keys_never_share_a_key(extras_a, extras_b):
+    tokens = list(range(BS * 3))
+    a = BlockKeys(BS, lambda s, e: extras_a[s // BS % len(extras_a)]).upto(tokens, 3)
+    b = BlockKeys(BS, lambda s, e: extras_b[s // BS % len(extras_b)]).upto(tokens, 3)
+    enc = [[canonical(x[i % len(x)]) for i in range(3)] for x in (extras_a, extras_b)]
+    for i in range(3):
+        assert (a[i] == b[i]) == (enc[0][:i + 1] == enc[1][:i + 1])
+
+
+def test_unencodable_extra_key_is_refused():
+    with pytest.raises(TypeError):
+        canonical(1.5)
+
+
+# ------------------------------------------------------------------ real vLLM requests
+
+def _request(tokens, *, salt=None, lora=None, mm=(), embeds=None):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                      mm_position=PlaceholderRange(offset=off, length=n))
+                for ident, off, n in mm]
+    return Request(request_id="r", prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=1),
+                   pooling_params=None, cache_salt=salt, lora_request=lora, mm_features=features or None,
+                   prompt_embeds=embeds)
+
+
+def _keys(request, n=6, fingerprint=None):
+    return BlockKeys(BS, request_extra_keys(request, fingerprint)).upto(request.all_token_ids, n)
+
+
+def _lora(name, path, int_id=1):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, int_id, str(path))
+
+
+TOKENS = [random.Random(3).randrange(3, 500) for _ in range(BS * 6 + 3)]
+
+
+def test_plain_request_keys_are_the_token_chain():
+    assert _keys(_request(TOKENS)) == _reference(TOKENS, BS)[:6]
+
+
+def test_cache_salt_changes_every_key_and_the_same_salt_matches():
+    plain, s1, s2 = _keys(_request(TOKENS)), _keys(_request(TOKENS, salt="s1")), _keys(_request(TOKENS, salt="s2"))
+    assert not set(plain) & set(s1) and not set(s1) & set(s2)
+    assert _keys(_request(TOKENS, salt="s1")) == s1
+
+
+def _adapter(tmp_path: Path, name: str, weights: bytes) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    return d
+
+
+def test_lora_adapter_name_path_and_files_change_the_keys(tmp_path):
+    a, b = _adapter(tmp_path, "a", b"A" * 64), _adapter(tmp_path, "b", b"B" * 64)
+    cache: dict = {}
+    fp_a, fp_b = adapter_fingerprint(str(a), cache), adapter_fingerprint(str(b), cache)
+    base = _keys(_request(TOKENS))
+    ka = _keys(_request(TOKENS, lora=_lora("a", a)), fingerprint=fp_a)
+    kb = _keys(_request(TOKENS, lora=_lora("b", b)), fingerprint=fp_b)
+    assert not set(base) & set(ka) and not set(ka) & set(kb)
+    assert _keys(_request(TOKENS, lora=_lora("a", a)), fingerprint=adapter_fingerprint(str(a), cache)) == ka
+    # the adapter rewritten at the same name and path: vLLM's own key stays, ours moves
+    before = os.stat(a / "adapter_model.safetensors").st_mtime_ns
+    (a / "adapter_model.safetensors").write_bytes(b"C" * 64)
+    os.utime(a / "adapter_model.safetensors", ns=(before + 10**9, before + 10**9))
+    fp_a2 = adapter_fingerprint(str(a), cache)
+    assert fp_a2 != fp_a
+    assert not set(_keys(_request(TOKENS, lora=_lora("a", a)), fingerprint=fp_a2)) & set(ka)
+    assert adapter_fingerprint(str(tmp_path / "missing"), cache) is None
+
+
+def test_different_image_same_placeholders_never_share_a_key_from_its_block_on():
+    # image in blocks 2..3 (tokens 40..63): blocks 0-1 are text and may be shared
+    img_a = _keys(_request(TOKENS, mm=[("hash-of-image-a", 40, 24)]))
+    img_b = _keys(_request(TOKENS, mm=[("hash-of-image-b", 40, 24)]))
+    text = _keys(_request(TOKENS))
+    assert img_a[:2] == img_b[:2] == text[:2]
+    assert not set(img_a[2:]) & set(img_b[2:]) and not set(img_a[2:]) & set(text[2:])
+    moved = _keys(_request(TOKENS, mm=[("hash-of-image-a", 41, 23)]))
+    assert moved[:2] == img_a[:2] and moved[2] != img_a[2]
+
+
+def test_prompt_embeds_with_identical_placeholder_ids_never_share_a_key():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = BS * 4
+    e1, e2 = torch.randn(n, 8, generator=g), torch.randn(n, 8, generator=g)
+    zeros = [0] * n  # what vLLM puts in prompt_token_ids for prompt embeds
+    k1, k2 = _keys(_request(zeros, embeds=e1), 4), _keys(_request(zeros, embeds=e2), 4)
+    assert not set(k1) & set(k2)
+    assert not set(k1) & set(_keys(_request(zeros), 4))
+    assert _keys(_request(zeros, embeds=e1.clone()), 4) == k1
+
+
+_SUBPROCESS = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from tests.connector.test_block_keys import TOKENS, _keys, _request
+print(json.dumps(_keys(_request(TOKENS, salt="tenant-7", mm=[("img", 40, 24)]))))
+"""
+
+
+def test_keys_are_the_same_in_another_process_with_another_hash_seed():
+    here = _keys(_request(TOKENS, salt="tenant-7", mm=[("img", 40, 24)]))
+    for seed in ("1", "random"):
+        out = subprocess.run([sys.executable, "-c", _SUBPROCESS.format(repo=str(REPO))], check=True,
+                             capture_output=True, text=True, env=dict(os.environ, PYTHONHASHSEED=seed))
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == here

@@ -47,7 +47,9 @@ def test_longest_prefix_and_divergent_request(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("model", "other"), ("kv_layout", "bf16"),
                                          ("block_size", 32), ("tp_rank", 1),
-                                         ("runtime_lock_hash", "lock-new")])
+                                         ("runtime_lock_hash", "lock-new"), ("weights", "w2"),
+                                         ("model_config", "quantized"), ("parallel", "tp=2"),
+                                         ("key_scheme", "v3")])
 def test_other_identity_never_returned(tmp_path, field, value):
     store = open_store(tmp_path)
     store.publish(IDENT, conv_keys(1, 8), conv_pages(1, 8, 4))
