@@ -32,7 +32,8 @@ from bench.replay_a_connector import STANDIN_BYTES_PER_BLOCK, ReplayContext, _re
 def connector_config(ctx: ReplayContext, extra: dict, store_root: Path) -> dict:
     """``kv_transfer_config`` arguments that load the real connector on the replay's store."""
     settings = {"root": str(store_root), "access_mode": ctx.mode, "page_blocks": ctx.store.page_blocks,
-                "min_span_tokens": 0}  # a replay token stands for 32 real ones: no real-token floor
+                "min_span_tokens": 0,  # a replay token stands for 32 real ones: no real-token floor
+                "weights_fingerprint": "replay:config-only"}  # the replay's model has no weights
     return {"kv_connector": "SparkcacheConnector", "kv_connector_module_path": "sparkcache.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": {**extra, **settings}}
 

@@ -85,21 +85,12 @@ def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
 
 def _worker_ranks() -> tuple[int, dict[str, int]]:
     """This worker's tensor-parallel rank, and its pipeline and prefill-context-parallel
-    ranks (which layers and tokens its pages hold)."""
+    ranks (which layers and tokens its pages hold). vLLM initialises every group before it
+    builds a worker's connector; an uninitialised one raises rather than pose as rank 0."""
     from vllm.distributed import parallel_state as ps
 
-    def rank_in(group: str) -> int:
-        getter = getattr(ps, f"get_{group}_group", None)
-        try:
-            return int(getter().rank_in_group) if getter else 0
-        except AssertionError:  # the group was never initialised: a single rank
-            return 0
-
-    try:
-        tp_rank = ps.get_tensor_model_parallel_rank()
-    except AssertionError:
-        tp_rank = 0
-    return tp_rank, {"pp_rank": rank_in("pp"), "pcp_rank": rank_in("pcp")}
+    return ps.get_tensor_model_parallel_rank(), {"pp_rank": ps.get_pp_group().rank_in_group,
+                                                 "pcp_rank": ps.get_pcp_group().rank_in_group}
 
 
 def _ensure_log_handler() -> None:
@@ -185,6 +176,13 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, tuple(list(b) for b in block_ids))
+
+    def reset_cache(self) -> bool:
+        """vLLM resets the connector's cache after updating weights in place: from then on
+        this process neither offers nor captures (``SchedulerSide.stop_after_reset``)."""
+        if self._sched is not None:
+            self._sched.stop_after_reset()
+        return True
 
     def has_pending_block_frees(self) -> bool:
         return self._sched is not None and self._sched.has_pending_block_frees()

@@ -6,7 +6,8 @@ names its manifest directory), so whatever is folded in here can never be mixed 
 - ``model``: the model as vLLM names it, its revision and dtype;
 - ``weights``: ``weights_fingerprint`` of the weight files (or the operator's declared
   ``SPARKCACHE_WEIGHTS_FINGERPRINT`` when the weights are not local files);
-- ``model_config``: quantization, ``hf_overrides``, load format, KV-cache dtype, draft model;
+- ``model_config``: ``describe_model_config`` (quantization, ``hf_overrides``, KV-cache
+  dtype, load format, draft model, ...);
 - ``kv_layout``: ``describe_kv_layout``; ``block_size``;
 - ``parallel`` and ``tp_rank``: the settings that decide which heads, layers and tokens
   a rank holds;
@@ -18,6 +19,8 @@ docs/CONNECTOR.md says what each covers and what an operator keeps stable for hi
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import logging
@@ -34,11 +37,14 @@ from .keys import KEY_SCHEME
 logger = logging.getLogger("sparkcache.connector")
 
 LOCK_RESOURCE = "vllm-0.32.0.lock.json"  # package data: the lock of the runtime we were built for
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5",
+                    ".tensors")
 _NOT_WEIGHTS = ("tokenizer", "special_tokens_map", "vocab", "added_tokens", "merges",
                 "chat_template", "generation_config")
+_STREAMED_FORMATS = ("runai_streamer", "runai_streamer_sharded", "tensorizer")
 _SMALL_FILE = 4 << 20   # hashed whole
 _MAX_HEADER = 64 << 20  # a safetensors header larger than this is not trusted
+_MAX_CACHED_FILES = 4096
 
 
 class IdentityError(RuntimeError):
@@ -50,7 +56,9 @@ def _sha256(data: bytes) -> str:
 
 
 def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    """Strict JSON: a value without a stable text form is a TypeError, never its repr
+    (an address would differ between the scheduler's process and a worker's)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 # ------------------------------------------------------------------------ weights
@@ -64,13 +72,14 @@ def _safetensors_header(path: str) -> bytes:
         return head + f.read(n)
 
 
-FileRecords = dict  # (path, dev, ino, size, mtime_ns, ctime_ns) -> record: contents hashed once
+# (path, dev, inode, size, mtime_ns, ctime_ns) -> record: each file's contents hashed once
+FileRecords = dict
 
 
 def _file_record(path: str, name: str, st: os.stat_result, cache: FileRecords | None) -> dict[str, Any]:
-    key = (path, name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if cache is not None and key in cache:
-        return cache[key]
+        return {**cache[key], "name": name}
     rec: dict[str, Any] = {"name": name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     if st.st_size <= _SMALL_FILE:
         with open(path, "rb") as f:
@@ -78,6 +87,8 @@ def _file_record(path: str, name: str, st: os.stat_result, cache: FileRecords | 
     elif name.endswith(".safetensors"):
         rec["header_sha256"] = _sha256(_safetensors_header(path))
     if cache is not None:
+        if len(cache) >= _MAX_CACHED_FILES:
+            cache.clear()
         cache[key] = rec
     return rec
 
@@ -86,49 +97,42 @@ def _covered(name: str) -> bool:
     lower = name.lower()
     if lower.startswith(_NOT_WEIGHTS):
         return False
-    return lower.endswith(_WEIGHT_SUFFIXES) or lower.endswith(".json")
+    return lower.endswith(_WEIGHT_SUFFIXES) or lower.endswith((".json", ".py"))
 
 
-def directory_fingerprint(path: str, cache: FileRecords | None = None) -> str:
-    """sha256 over every weight-bearing file of a model or adapter directory (its top level
-    and one level below): name, size and modification time of each, the content of each
-    file up to 4 MiB (config.json, the safetensors index, quantization configs) and the
-    header of each larger safetensors file (tensor names, dtypes, shapes). Any write to a
-    weight file changes its mtime, so weights rewritten in place give a new fingerprint;
-    tokenizer files are left out (token ids, not text, are keyed). ``cache`` keeps each
-    file's record while its stat (inode, size, mtime, ctime) stays the same."""
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def directory_fingerprint(path: str, cache: FileRecords | None = None, *,
+                          require_weights: bool = True) -> str:
+    """sha256 over every file of a model or adapter directory (its top level and one level
+    below) that can change the KV it computes: weight files (``_WEIGHT_SUFFIXES``), JSON
+    files (config, safetensors index, quantization configs) and Python files (remote code),
+    not tokenizer files (token ids, not text, are keyed). Per file: name, size and
+    modification time; the content of files up to 4 MiB; the header of larger safetensors
+    files (tensor names, dtypes, shapes). Any write to a weight file changes its mtime, so
+    weights rewritten in place give a new fingerprint. ``cache`` keeps each file's record
+    while its stat (inode, size, mtime, ctime) stays the same. IdentityError when the
+    directory holds no weight file (and ``require_weights``); OSError when it cannot be read."""
     records = []
     if os.path.isfile(path):  # a model directory is not ours: links (the HF cache's) are followed
         records.append(_file_record(path, os.path.basename(path), os.stat(path), cache))
     else:
-        for dirpath, dirnames, filenames in os.walk(path):
+        for dirpath, dirnames, filenames in os.walk(path, onerror=_raise):
             rel = os.path.relpath(dirpath, path)
-            depth = 0 if rel == "." else rel.count(os.sep) + 1
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if depth < 1 else []
+            top = rel == "."
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if top else []
             for name in sorted(filenames):
-                full = os.path.join(dirpath, name)
-                relname = name if rel == "." else f"{rel}/{name}"
                 if not _covered(name):
                     continue
+                full = os.path.join(dirpath, name)
                 st = os.stat(full)
                 if stat.S_ISREG(st.st_mode):
-                    records.append(_file_record(full, relname, st, cache))
-    if not any(r["name"].lower().endswith(_WEIGHT_SUFFIXES) for r in records):
-        logger.warning("sparkcache: %s holds no weight files (%s); the store identity covers "
-                       "only its config files. If the weights live elsewhere, declare "
-                       "SPARKCACHE_WEIGHTS_FINGERPRINT", path, " ".join(_WEIGHT_SUFFIXES))
+                    records.append(_file_record(full, name if top else f"{rel}/{name}", st, cache))
+    if require_weights and not any(r["name"].lower().endswith(_WEIGHT_SUFFIXES) for r in records):
+        raise IdentityError(f"{path} holds no weight file ({' '.join(_WEIGHT_SUFFIXES)})")
     return "sha256:" + _sha256(_canonical(records).encode())
-
-
-def adapter_fingerprint(path: str, cache: FileRecords) -> str | None:
-    """``directory_fingerprint`` of a LoRA adapter (local, or in the local Hugging Face
-    cache), or None when it cannot be read: the request is then neither offered nor
-    captured (an adapter we cannot tell apart from another must not share KV)."""
-    local = _local_model_dir(path, None, None)
-    try:
-        return directory_fingerprint(local, cache) if local else None
-    except (OSError, IdentityError):
-        return None
 
 
 def _local_model_dir(model: str, revision: str | None, download_dir: str | None) -> str | None:
@@ -143,32 +147,73 @@ def _local_model_dir(model: str, revision: str | None, download_dir: str | None)
         return None
 
 
-def weights_fingerprint(model: str, revision: str | None, download_dir: str | None,
-                        declared: str) -> str:
-    """``declared:<value>`` when the operator declared one, else ``directory_fingerprint``
-    of the local model directory (a Hugging Face id is looked up in the local cache)."""
+class AdapterFingerprints:
+    """The fingerprint of the LoRA adapter files a worker runs, per ``lora_int_id``.
+
+    vLLM's workers load an adapter once per id and keep it (unless the request sets
+    ``load_inplace``), so the first fingerprint seen for an id is pinned for the life of
+    the process. When the files at its path change afterwards (or the id comes with
+    another path), which version a worker computes with is unknown: such requests are
+    neither offered nor captured (``lora_changed``). ``check`` returns (fingerprint,
+    None) or (None, reason)."""
+
+    def __init__(self) -> None:
+        self._pinned: dict[int, tuple[str, str]] = {}
+        self._files: FileRecords = {}
+
+    def check(self, lora: Any) -> tuple[str | None, str | None]:
+        path = os.fspath(lora.lora_path)
+        local = _local_model_dir(path, None, None)
+        try:
+            fp = directory_fingerprint(local, self._files) if local else None
+        except (OSError, IdentityError):
+            fp = None
+        if fp is None:
+            return None, "lora_unreadable"
+        pinned = self._pinned.get(lora.lora_int_id)
+        if pinned is None or getattr(lora, "load_inplace", False):
+            self._pinned[lora.lora_int_id] = (path, fp)
+        elif pinned != (path, fp):
+            return None, "lora_changed"
+        return fp, None
+
+
+def weights_fingerprint(vllm_config: Any, declared: str) -> str:
+    """``declared:<value>`` when the operator declared one; ``dummy:`` and the config files
+    for vLLM's dummy weights (fixed seed); else ``directory_fingerprint`` of the local model
+    directory (a Hugging Face id is looked up in the local cache). Weights that are not
+    local files (streamed, tensorizer, ``model_weights``) need a declared fingerprint."""
+    mc, lc = vllm_config.model_config, vllm_config.load_config
     if declared:
         return "declared:" + declared
-    local = _local_model_dir(model, revision, download_dir)
+    fix = ("Fix: serve the weights from a local directory, or declare a fingerprint that "
+           "changes whenever the weights do (SPARKCACHE_WEIGHTS_FINGERPRINT or "
+           "kv_connector_extra_config 'weights_fingerprint', e.g. their commit or content hash)")
+    load_format = str(lc.load_format)
+    if getattr(mc, "model_weights", "") or load_format in _STREAMED_FORMATS:
+        raise IdentityError(f"sparkcache: the weights of model {mc.model!r} are not local files "
+                            f"(load_format {load_format!r}, model_weights "
+                            f"{getattr(mc, 'model_weights', '')!r}). {fix}")
+    local = _local_model_dir(mc.model, getattr(mc, "revision", None), getattr(lc, "download_dir", None))
     if local is None:
-        raise IdentityError(
-            f"sparkcache: cannot fingerprint the weights of model {model!r}: it is neither a "
-            "local path nor in the local Hugging Face cache. Fix: serve it from a local "
-            "directory, or declare a fingerprint that changes whenever the weights do "
-            "(SPARKCACHE_WEIGHTS_FINGERPRINT or kv_connector_extra_config "
-            "'weights_fingerprint', e.g. the weights' commit or content hash)")
+        raise IdentityError(f"sparkcache: cannot fingerprint the weights of model {mc.model!r}: "
+                            f"it is neither a local path nor in the local Hugging Face cache. {fix}")
+    dummy = load_format == "dummy"
     try:
-        return directory_fingerprint(local)
+        return ("dummy:" if dummy else "") + directory_fingerprint(local, require_weights=not dummy)
     except (OSError, IdentityError) as exc:
-        raise IdentityError(f"sparkcache: cannot fingerprint the weights of model {model!r} "
-                            f"at {local}: {exc}. Fix: make the files readable, or declare "
-                            "SPARKCACHE_WEIGHTS_FINGERPRINT") from None
+        raise IdentityError(f"sparkcache: cannot fingerprint the weights of model {mc.model!r} "
+                            f"at {local}: {exc}. {fix}") from None
 
 
 # ------------------------------------------------------------------------ runtime
 
 def _lock_bytes() -> bytes:
-    return resources.files("sparkcache").joinpath(LOCK_RESOURCE).read_bytes()
+    try:
+        return resources.files("sparkcache").joinpath(LOCK_RESOURCE).read_bytes()
+    except OSError as exc:
+        raise IdentityError(f"sparkcache: the package has no {LOCK_RESOURCE} ({exc}); fix: "
+                            "reinstall sparkcache from a wheel or checkout that ships it") from None
 
 
 def installed_runtime(site_packages: Path | None = None) -> str:
@@ -226,24 +271,64 @@ def describe_kv_layout(kv_cache_config: Any) -> tuple[str, bool]:
     return _canonical(layout), attention_only
 
 
+def _jsonable(value: Any, what: str) -> Any:
+    """``value`` as plain JSON data (dataclasses and pydantic models by their fields), or
+    IdentityError naming the setting: never a repr, which differs between processes."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif hasattr(value, "model_dump"):
+        value = value.model_dump(mode="json")
+    elif callable(value):
+        value = f"callable:{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+    try:
+        return json.loads(_canonical(value))
+    except (TypeError, ValueError) as exc:
+        raise IdentityError(f"sparkcache: {what}={value!r} has no stable text form for the store "
+                            f"identity ({exc}); fix: use plain JSON values (strings, numbers, "
+                            "lists, string-keyed dicts)") from None
+
+
+def _long_rope(mc: Any) -> bool | None:
+    """Whether LongRoPE models use their long factors, which vLLM decides for every
+    position by max_model_len (``phi3_long_rope_scaled_rope.py``); None for other models."""
+    cfg = mc.hf_text_config
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    original = rope.get("original_max_position_embeddings") or getattr(
+        cfg, "original_max_position_embeddings", None)
+    return original is not None and mc.max_model_len > original
+
+
 def describe_model_config(vllm_config: Any) -> str:
-    """Quantization, ``hf_overrides``, load format, KV-cache dtype and the speculative
-    draft model (its layers' KV is stored too) as one hash. The model's config.json is in
-    ``weights``; the config vLLM derives from it is not used: model code may change it in
-    a worker process and not in the scheduler's."""
+    """Every model setting that changes KV bytes beside the weight files, as one hash:
+    quantization (method and online config), ``hf_overrides``, model implementation and
+    class overrides, config source and code revision, load format and loader config, KV-cache
+    dtype, LongRoPE's choice of factors, and the speculative draft (its layers' KV is
+    stored too). The model's config.json is in ``weights``; the config vLLM derives from it
+    is not used: model code may change it in a worker process and not in the scheduler's."""
     mc, cc, lc = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
-    overrides = mc.hf_overrides
-    if callable(overrides):
-        overrides = f"callable:{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}"
     spec = getattr(vllm_config, "speculative_config", None)
-    draft = None if spec is None else {"method": spec.method, "model": spec.model,
-                                       "revision": getattr(spec, "revision", None)}
-    text = _canonical({
-        "quantization": mc.quantization, "hf_overrides": overrides,
-        "load_format": str(lc.load_format), "cache_dtype": str(cc.cache_dtype),
+    draft = None
+    if spec is not None:
+        draft = {"method": spec.method, "model": spec.model, "revision": getattr(spec, "revision", None),
+                 "weights": (directory_fingerprint(spec.model, require_weights=False)
+                             if spec.model and os.path.isdir(spec.model) else None)}
+    settings = {
+        "quantization": mc.quantization, "quantization_config": getattr(mc, "quantization_config", None),
+        "hf_overrides": mc.hf_overrides, "model_impl": getattr(mc, "model_impl", None),
+        "model_class_overrides": getattr(mc, "model_class_overrides", None),
+        "hf_config_path": getattr(mc, "hf_config_path", None),
+        "config_format": getattr(mc, "config_format", None),
+        "code_revision": getattr(mc, "code_revision", None), "long_rope": _long_rope(mc),
+        "load_format": lc.load_format, "model_loader_extra_config": getattr(lc, "model_loader_extra_config", None),
+        "cache_dtype": cc.cache_dtype,
         "kv_cache_dtype_skip_layers": list(getattr(cc, "kv_cache_dtype_skip_layers", []) or []),
         "calculate_kv_scales": getattr(cc, "calculate_kv_scales", None), "draft": draft,
-    })
+    }
+    text = _canonical({k: _jsonable(v, k) for k, v in settings.items()})
     return "sha256:" + _sha256(text.encode())
 
 
@@ -262,9 +347,7 @@ def make_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, *,
                   ranks: dict[str, int] | None = None, declared_weights: str = "") -> tuple[Identity, bool]:
     mc = vllm_config.model_config
     layout, attention_only = describe_kv_layout(kv_cache_config)
-    weights = weights_fingerprint(mc.model, getattr(mc, "revision", None),
-                                  getattr(vllm_config.load_config, "download_dir", None),
-                                  declared_weights)
+    weights = weights_fingerprint(vllm_config, declared_weights)
     identity = Identity(
         model=f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}:{mc.dtype}",
         kv_layout=layout, block_size=int(vllm_config.cache_config.block_size),

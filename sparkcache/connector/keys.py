@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -34,8 +35,10 @@ ExtraKeys = Callable[[int, int], Any]  # (start token, end token) of a block -> 
 
 
 def canonical(value: Any) -> bytes:
-    """An unambiguous byte encoding of an extra key: None, bool, int, str, bytes and
-    tuples/lists of them; anything else is a TypeError (never a guess)."""
+    """An unambiguous byte encoding of an extra key: None, bool, int, str (a path as its
+    text), bytes and tuples/lists of them; anything else is a TypeError (never a guess)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if value is None:
         return b"N"
     if isinstance(value, bool):

@@ -37,7 +37,7 @@ from typing import Any
 from sparkcache.store.manifests import PageRef, pages_needed
 
 from .attribution import AttributionRecord, emit
-from .identity import FileRecords, adapter_fingerprint
+from .identity import AdapterFingerprints
 from .keys import BlockKeys, request_extra_keys
 
 logger = logging.getLogger("sparkcache.connector")
@@ -135,42 +135,73 @@ class SchedulerSide:
         self.num_workers = 1                      # worker reports expected per capture plan
         self.settle_timeout_s = 120.0
         self.unsettled: dict[str, tuple[int, float]] = {}  # req_id -> (reports owed, deadline)
-        self._adapter_files: FileRecords = {}
+        self.adapters = AdapterFingerprints()
+        self.after_reset = False                  # vLLM reset the connector's cache: stop
 
     # ------------------------------------------------------------------ requests
 
     def state(self, request: Any) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
-            unsupported = unsupported_input(request)
-            fingerprint = None
-            if request.lora_request and unsupported is None:
-                fingerprint = adapter_fingerprint(request.lora_request.lora_path, self._adapter_files)
-                unsupported = None if fingerprint else "lora_unreadable"
-            extra = request_extra_keys(request, fingerprint) if unsupported is None else None
-            st = _ReqState(request, BlockKeys(self.block_size, extra),
-                           AttributionRecord(request.request_id, int(request.num_prompt_tokens)),
-                           unsupported=unsupported)
-            if unsupported:
-                self.counters.add("skipped_" + unsupported)
+            st = _ReqState(request, BlockKeys(self.block_size),
+                           AttributionRecord(request.request_id, int(request.num_prompt_tokens)))
             self.reqs[request.request_id] = st
+            if self.store is not None and self.mode != "disabled" and self._usable(st):
+                fingerprint = None
+                if request.lora_request:
+                    fingerprint, reason = self.adapters.check(request.lora_request)
+                    if reason:
+                        self._skip(st, reason)
+                st.keys = BlockKeys(self.block_size, request_extra_keys(request, fingerprint))
         return st
 
-    def _keys(self, st: _ReqState, n_blocks: int) -> list[str]:
-        return st.keys.upto(st.request.all_token_ids, n_blocks)
+    def _usable(self, st: _ReqState) -> bool:
+        """Whether this request's KV may be offered or captured. Asked before every offer
+        and capture: a streaming session can add images or embeddings to a request after
+        it was first seen, and vLLM can reset the connector's cache (after a weight update)."""
+        if st.unsupported is None:
+            reason = "after_reset" if self.after_reset else unsupported_input(st.request)
+            if reason:
+                self._skip(st, reason)
+        return st.unsupported is None
+
+    def _skip(self, st: _ReqState, reason: str) -> None:
+        st.unsupported = reason
+        self.counters.add("skipped_" + reason)
+
+    def _keys(self, st: _ReqState, n_blocks: int) -> list[str] | None:
+        """The keys of the first ``n_blocks`` blocks; None (and the request skipped) when an
+        extra key has no encoding, so a bad input cannot stop the scheduler's loop."""
+        try:
+            return st.keys.upto(st.request.all_token_ids, n_blocks)
+        except (TypeError, OverflowError) as exc:
+            logger.warning("sparkcache: %s is not offered or captured: %s", st.request.request_id, exc)
+            self._skip(st, "unencodable_input")
+            return None
+
+    def stop_after_reset(self) -> None:
+        """vLLM reset the connector's cache, as it does after updating the weights in place:
+        stored entries may no longer match the weights this process runs (and its KV would
+        be stored under the old weights' identity), so nothing is offered or captured again
+        until vLLM restarts."""
+        if not self.after_reset:
+            logger.warning("sparkcache: vLLM reset the connector cache (as after a weight "
+                           "update); no restores or captures until vLLM restarts")
+        self.after_reset = True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self.state(request)
         st.last_found = None
-        if self.mode not in RESTORING_MODES or self.store is None or st.restore_refused or st.unsupported:
-            st.last_query = (num_computed_tokens, 0)
+        st.last_query = (num_computed_tokens, 0)
+        if self.mode not in RESTORING_MODES or self.store is None or st.restore_refused:
             return 0, False
         bs = self.block_size
         n_blocks = (request.num_tokens - 1) // bs  # never the last token
-        if n_blocks * bs <= num_computed_tokens:
-            st.last_query = (num_computed_tokens, 0)
+        if n_blocks * bs <= num_computed_tokens or not self._usable(st):
             return 0, False
         keys = self._keys(st, n_blocks)
+        if keys is None:
+            return 0, False
         result = self.store.lookup(self.identity, keys)
         offered = result.hit_blocks * bs - num_computed_tokens if result.hit else 0
         if offered < max(1, self.settings.min_span_tokens):
@@ -313,14 +344,16 @@ class SchedulerSide:
         return True, params
 
     def _capture_plan(self, st: _ReqState, request: Any, block_ids: tuple[list[int], ...]) -> CapturePlan | None:
-        if self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only or st.unsupported:
+        if self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only:
             return None
         bs = self.block_size
         n_blocks = min(request.num_computed_tokens, len(request.all_token_ids)) // bs
         n_blocks = min(n_blocks, min(len(ids) for ids in block_ids) if block_ids else 0)
-        if n_blocks <= 0 or n_blocks * bs < self.settings.min_span_tokens:
+        if n_blocks <= 0 or n_blocks * bs < self.settings.min_span_tokens or not self._usable(st):
             return None
         keys = self._keys(st, n_blocks)
+        if keys is None:
+            return None
         found = self.store.lookup(self.identity, keys)
         depth = found.hit_blocks if found.hit else 0
         if depth >= n_blocks:
@@ -349,12 +382,14 @@ class SchedulerSide:
         return data
 
 
-UNSUPPORTED_INPUTS = ("multimodal", "prompt_embeds", "lora_unreadable")
+# Why a request is neither offered nor captured (``vllm:sparkcache_skipped_requests{reason}``).
+SKIP_REASONS = ("multimodal", "prompt_embeds", "lora_unreadable", "lora_changed",
+                "unencodable_input", "after_reset")
 
 
 def unsupported_input(request: Any) -> str | None:
-    """Why a request's KV is neither offered nor captured (one of ``UNSUPPORTED_INPUTS``),
-    or None. Multimodal inputs and prompt embeddings are keyed (``keys.py``) but their
+    """Why a request's KV is neither offered nor captured (``multimodal``,
+    ``prompt_embeds``), or None. Multimodal inputs and prompt embeddings are keyed (``keys.py``) but their
     restore has not been shown end to end on the engine; until it is, they recompute."""
     if request.mm_features:
         return "multimodal"

@@ -14,6 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                   KVConnectorStats)
 
+from .scheduler_side import SKIP_REASONS
+
 P = "vllm:sparkcache_"
 
 # counter name -> (help, extra label name or None, {data key: label value})
@@ -29,10 +31,10 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                         {"restored_tokens": ""}),
     "load_failures": ("Restores refused (corrupt, absent or unreadable); the request recomputes.",
                       None, {"restores_failed": ""}),
-    "skipped_requests": ("Requests neither offered a restore nor captured, by the kind of input "
-                         "sparkcache does not restore yet (they recompute).", "reason",
-                         {"skipped_multimodal": "multimodal", "skipped_prompt_embeds": "prompt_embeds",
-                          "skipped_lora_unreadable": "lora_unreadable"}),
+    "skipped_requests": ("Requests neither offered a restore nor captured (they recompute), by "
+                         "why: an input sparkcache does not restore yet, an adapter it cannot "
+                         "tell apart, or a cache reset.", "reason",
+                         {"skipped_" + r: r for r in SKIP_REASONS}),
     "offered_tokens": ("Tokens offered to the scheduler beyond the local hit.", None,
                        {"offered_tokens": ""}),
     "captures": ("Captures by outcome.", "outcome",

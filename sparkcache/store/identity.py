@@ -37,12 +37,12 @@ class Identity:
     key_scheme: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"Identity.block_size={self.block_size!r}: must be a positive int")
-        if not isinstance(self.tp_rank, int) or self.tp_rank < 0:
-            raise ValueError(f"Identity.tp_rank={self.tp_rank!r}: must be an int >= 0")
+        for name, low in (("block_size", 1), ("tp_rank", 0)):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ValueError(f"Identity.{name}={value!r}: must be an int >= {low}")
         for f in dataclasses.fields(self):
-            if f.type == "str" and not isinstance(getattr(self, f.name), str):
+            if f.type in ("str", str) and not isinstance(getattr(self, f.name), str):
                 raise ValueError(f"Identity.{f.name}={getattr(self, f.name)!r}: must be a str")
 
     def to_dict(self) -> dict[str, Any]:

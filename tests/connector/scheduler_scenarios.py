@@ -28,7 +28,10 @@ def make_scheduler(root: str, num_blocks: int = 200, max_num_batched_tokens: int
                                skip_tokenizer_init=True, max_model_len=8192)
     kvt = KVTransferConfig(kv_connector="SparkcacheConnector", kv_connector_module_path="sparkcache.connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute",
-                           kv_connector_extra_config={"root": root, "min_span_tokens": BS, **(extra or {})})
+                           kv_connector_extra_config={"root": root, "min_span_tokens": BS,
+                                                      # a config directory, no weight files
+                                                      "weights_fingerprint": "scenario:config-only",
+                                                      **(extra or {})})
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=8192, enable_chunked_prefill=True,

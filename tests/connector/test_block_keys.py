@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkcache.connector.identity import adapter_fingerprint
+from sparkcache.connector.identity import AdapterFingerprints
 from sparkcache.connector.keys import KEY_SCHEME, BlockKeys, canonical, request_extra_keys
 
 BS = 16
@@ -54,13 +54,24 @@ _atoms = st.none() | st.booleans() | st.integers() | st.text() | st.binary()
 _values = st.recursive(_atoms, lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=12)
 
 
+def _same(a, b) -> bool:
+    """Equal in value and in type at every level (``True == 1`` and ``(False,) == (0,)``
+    in Python, but they are different extra keys)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 @settings(max_examples=400, deadline=None)
 @given(_values, _values)
 def test_canonical_encoding_is_injective(a, b):
-    if type(a) is type(b) and a == b:
-        assert canonical(a) == canonical(b)
-    elif not (a == b and {type(a), type(b)} <= {bool, int}):
-        assert canonical(a) != canonical(b), (a, b)
+    assert (canonical(a) == canonical(b)) == _same(a, b), (a, b)
+
+
+def test_canonical_encoding_tells_types_apart():
+    assert len({canonical(v) for v in (True, 1, "1", b"1", (1,), (True,), None, (), "", b"")}) == 10
 
 
 @settings(max_examples=200, deadline=None)
@@ -74,9 +85,10 @@ def test_different_extra_keys_never_share_a_key(extras_a, extras_b):
         assert (a[i] == b[i]) == (enc[0][:i + 1] == enc[1][:i + 1])
 
 
-def test_unencodable_extra_key_is_refused():
+def test_unencodable_extra_key_is_refused_and_a_path_is_its_text():
     with pytest.raises(TypeError):
         canonical(1.5)
+    assert canonical(Path("/adapters/a")) == canonical("/adapters/a")
 
 
 # ------------------------------------------------------------------ real vLLM requests
@@ -98,10 +110,10 @@ def _keys(request, n=6, fingerprint=None):
     return BlockKeys(BS, request_extra_keys(request, fingerprint)).upto(request.all_token_ids, n)
 
 
-def _lora(name, path, int_id=1):
+def _lora(name, path, int_id=1, **kw):
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(name, int_id, str(path))
+    return LoRARequest(name, int_id, str(path), **kw)
 
 
 TOKENS = [random.Random(3).randrange(3, 500) for _ in range(BS * 6 + 3)]
@@ -125,23 +137,43 @@ def _adapter(tmp_path: Path, name: str, weights: bytes) -> Path:
     return d
 
 
+def _rewrite(path: Path, data: bytes) -> None:
+    before = os.stat(path).st_mtime_ns
+    path.write_bytes(data)
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+
+
 def test_lora_adapter_name_path_and_files_change_the_keys(tmp_path):
     a, b = _adapter(tmp_path, "a", b"A" * 64), _adapter(tmp_path, "b", b"B" * 64)
-    cache: dict = {}
-    fp_a, fp_b = adapter_fingerprint(str(a), cache), adapter_fingerprint(str(b), cache)
+    adapters = AdapterFingerprints()
+    fp_a, why = adapters.check(_lora("a", a, 1))
+    fp_b, _ = adapters.check(_lora("b", b, 2))
+    assert why is None and fp_a and fp_b and fp_a != fp_b
     base = _keys(_request(TOKENS))
-    ka = _keys(_request(TOKENS, lora=_lora("a", a)), fingerprint=fp_a)
-    kb = _keys(_request(TOKENS, lora=_lora("b", b)), fingerprint=fp_b)
+    ka = _keys(_request(TOKENS, lora=_lora("a", a, 1)), fingerprint=fp_a)
+    kb = _keys(_request(TOKENS, lora=_lora("b", b, 2)), fingerprint=fp_b)
     assert not set(base) & set(ka) and not set(ka) & set(kb)
-    assert _keys(_request(TOKENS, lora=_lora("a", a)), fingerprint=adapter_fingerprint(str(a), cache)) == ka
-    # the adapter rewritten at the same name and path: vLLM's own key stays, ours moves
-    before = os.stat(a / "adapter_model.safetensors").st_mtime_ns
-    (a / "adapter_model.safetensors").write_bytes(b"C" * 64)
-    os.utime(a / "adapter_model.safetensors", ns=(before + 10**9, before + 10**9))
-    fp_a2 = adapter_fingerprint(str(a), cache)
-    assert fp_a2 != fp_a
-    assert not set(_keys(_request(TOKENS, lora=_lora("a", a)), fingerprint=fp_a2)) & set(ka)
-    assert adapter_fingerprint(str(tmp_path / "missing"), cache) is None
+    assert adapters.check(_lora("a", a, 1)) == (fp_a, None)
+    # another name for the same files: vLLM's key (name, path) moves, so does ours
+    assert not set(_keys(_request(TOKENS, lora=_lora("a2", a, 1)), fingerprint=fp_a)) & set(ka)
+    # the adapter rewritten at the same name and path: the worker keeps the one it loaded
+    _rewrite(a / "adapter_model.safetensors", b"C" * 64)
+    assert adapters.check(_lora("a", a, 1)) == (None, "lora_changed")
+    assert adapters.check(_lora("a", b, 1)) == (None, "lora_changed")  # same id, other path
+    reloaded, why = adapters.check(_lora("a", a, 1, load_inplace=True))  # the worker reloads it
+    assert why is None and reloaded != fp_a
+    assert adapters.check(_lora("a", a, 1)) == (reloaded, None)
+    assert AdapterFingerprints().check(_lora("a", a, 1)) == (reloaded, None)  # after a restart
+    assert not set(_keys(_request(TOKENS, lora=_lora("a", a, 1)), fingerprint=reloaded)) & set(ka)
+
+
+def test_unreadable_adapter_is_refused(tmp_path):
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    (empty / "adapter_config.json").write_text("{}")
+    adapters = AdapterFingerprints()
+    assert adapters.check(_lora("x", tmp_path / "missing")) == (None, "lora_unreadable")
+    assert adapters.check(_lora("y", empty, 2)) == (None, "lora_unreadable")
 
 
 def test_different_image_same_placeholders_never_share_a_key_from_its_block_on():

@@ -59,7 +59,8 @@ def test_same_inputs_same_identity(model_copy, baseline, tiny_model):
 
 @pytest.mark.parametrize("change", [
     "tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size", "tp_rank",
-    "pp_rank", "quantization", "cache_dtype", "kv_spec_dtype", "load_format", "block_size", "key_scheme"])
+    "pp_rank", "quantization", "cache_dtype", "kv_spec_dtype", "load_format", "block_size", "key_scheme",
+    "model_impl", "code_revision", "model_loader_extra_config"])
 def test_identity_differs_when_page_bytes_could(model_copy, baseline, change, monkeypatch):
     import torch
 
@@ -81,6 +82,10 @@ def test_identity_differs_when_page_bytes_could(model_copy, baseline, change, mo
         object.__setattr__(spec, "dtype", torch.bfloat16)
     elif change == "load_format":
         vllm_config.load_config.load_format = "dummy"
+    elif change in ("model_impl", "code_revision"):
+        setattr(vllm_config.model_config, change, "transformers" if change == "model_impl" else "v2")
+    elif change == "model_loader_extra_config":
+        vllm_config.load_config.model_loader_extra_config = {"enable_multithread_load": True}
     elif change == "block_size":
         vllm_config.cache_config.block_size = 16
     elif change == "key_scheme":
@@ -92,6 +97,27 @@ def test_identity_differs_when_page_bytes_could(model_copy, baseline, change, mo
 
 def test_hf_overrides_change_the_identity(model_copy, baseline):
     assert _digest(*_configs(model_copy, hf_overrides={"rope_theta": 5000.0})) != baseline
+
+
+def test_a_setting_without_a_stable_text_form_stops_startup(model_copy):
+    vllm_config, kv = _configs(model_copy)
+    vllm_config.model_config.hf_overrides = {"rope_theta": object()}  # its repr is an address
+    with pytest.raises(IdentityError, match="hf_overrides"):
+        make_identity(vllm_config, kv, 0)
+
+
+def test_longrope_factors_chosen_by_max_model_len_change_the_identity(model_copy):
+    # vLLM's LongRoPE uses its long factors at every position once max_model_len exceeds
+    # original_max_position_embeddings (phi3_long_rope_scaled_rope.py)
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+            "original_max_position_embeddings": 2048, "rope_theta": 10000.0}
+    over = {"rope_parameters": rope, "rope_scaling": rope}
+    digests = []
+    for max_len in (1024, 2048, 4096):
+        vllm_config, kv = _configs(model_copy, hf_overrides=over)
+        vllm_config.model_config.max_model_len = max_len
+        digests.append(_digest(vllm_config, kv))
+    assert digests[0] == digests[1] != digests[2]
 
 
 def test_weights_rewritten_in_place_change_the_identity_tokenizer_does_not(model_copy, baseline, tmp_path):
@@ -122,13 +148,46 @@ def test_config_json_change_changes_the_identity(model_copy, tmp_path):
     assert directory_fingerprint(str(copy)) != before
 
 
-def test_declared_weights_fingerprint_and_unreachable_weights(model_copy, baseline):
+def test_declared_weights_fingerprint_and_unreachable_weights(model_copy, baseline, tmp_path):
     vllm_config, kv = _configs(model_copy)
     declared = _digest(vllm_config, kv, declared_weights="git:0123abc")
     assert declared != baseline and declared != _digest(vllm_config, kv, declared_weights="git:0123abd")
     vllm_config.model_config.model = "nobody/not-in-any-cache"
     with pytest.raises(IdentityError, match="SPARKCACHE_WEIGHTS_FINGERPRINT"):
         make_identity(vllm_config, kv, 0)
+    # weights streamed from elsewhere: only the config files are local
+    vllm_config, kv = _configs(model_copy)
+    vllm_config.load_config.load_format = "runai_streamer"
+    with pytest.raises(IdentityError, match="not local files"):
+        make_identity(vllm_config, kv, 0)
+    assert make_identity(vllm_config, kv, 0, declared_weights="s3:bucket/v7")[0].weights == "declared:s3:bucket/v7"
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(Path(model_copy) / "config.json", config_only / "config.json")
+    vllm_config, kv = _configs(model_copy)
+    vllm_config.model_config.model = str(config_only)
+    with pytest.raises(IdentityError, match="holds no weight file"):
+        make_identity(vllm_config, kv, 0)
+    vllm_config.load_config.load_format = "dummy"  # vLLM's dummy weights: a fixed seed
+    assert make_identity(vllm_config, kv, 0)[0].weights.startswith("dummy:sha256:")
+
+
+def test_a_large_weight_file_is_covered_by_size_time_and_header(model_copy, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    copy = tmp_path / "m"
+    shutil.copytree(model_copy, copy)
+    big = copy / "model-00002-of-00002.safetensors"
+    save_file({"extra": torch.zeros(2 << 20)}, str(big))  # 8 MiB: past the whole-file hash
+    first = directory_fingerprint(str(copy))
+    st = os.stat(big)
+    save_file({"extra": torch.ones(2 << 20)}, str(big))  # same size, same header, new bytes
+    assert os.stat(big).st_size == st.st_size and directory_fingerprint(str(copy)) != first
+    renamed = {"other": torch.zeros(2 << 20)}
+    save_file(renamed, str(big))
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))  # time put back: the header still differs
+    assert directory_fingerprint(str(copy)) != first
 
 
 def test_runtime_is_the_installed_vllm_by_the_packaged_lock(transformed_tree, tmp_path):

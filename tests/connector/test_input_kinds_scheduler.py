@@ -114,3 +114,48 @@ def test_prompt_embeds_never_take_the_kv_of_zero_token_ids(tmp_path):
     assert counters.get("skipped_prompt_embeds") == 1
     # its 200 computed tokens are not captured under any key
     assert not s.connector._sched.unsettled
+
+
+def test_an_image_added_by_a_streaming_update_stops_offers_and_captures(tmp_path):
+    """vLLM's streaming sessions (``_update_request_as_session``) extend a request's
+    ``mm_features`` after the connector first saw it; the gate is asked again each time."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    s = make_scheduler(str(tmp_path), hybrid=False)
+    prompt = _prompt(3)
+    _publish(s, request("seed", prompt))
+    side = s.connector._sched
+    counters = _counted(s)
+    req = _vllm_request("session", prompt)
+    assert side.get_num_new_matched_tokens(req, 0)[0] > 0  # text so far: offered
+    req.mm_features.append(MultiModalFeatureSpec(data=None, modality="image", identifier="image-a",
+                                                 mm_position=PlaceholderRange(offset=48, length=32)))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.num_computed_tokens = N
+    assert side._capture_plan(side.state(req), req, ([1] * (N // BS),)) is None
+    side.take_counters()
+    assert counters.get("skipped_multimodal") == 1
+
+
+def test_after_vllm_resets_the_connector_cache_nothing_is_offered_or_captured(tmp_path):
+    s = make_scheduler(str(tmp_path), hybrid=False)
+    prompt = _prompt(4)
+    _publish(s, request("seed", prompt))
+    counters = _counted(s)
+    assert _run(s, request("before", prompt))["external_tokens"] > 0
+    assert s.reset_prefix_cache(reset_connector=True)  # what vLLM does after a weight update
+    assert _run(s, request("after", prompt))["external_tokens"] == 0
+    long_one = request("after-long", _prompt(5), max_tokens=2)
+    s.add_request(long_one)
+    finish_all(s)
+    assert not s.connector._sched.unsettled  # computed, but not captured
+    assert counters.get("skipped_after_reset") == 2
+
+
+def test_an_input_that_cannot_be_keyed_is_skipped_not_raised(tmp_path):
+    s = make_scheduler(str(tmp_path), hybrid=False)
+    counters = _counted(s)
+    req = _vllm_request("odd", _prompt(6))
+    req.cache_salt = 1.5  # vLLM's msgspec requests are not type-checked at construction
+    assert _run(s, req)["external_tokens"] == 0
+    assert counters.get("skipped_unencodable_input") == 1
