@@ -35,7 +35,8 @@ def connector_config(ctx: ReplayContext, extra: dict, store_root: Path) -> dict:
                 "min_span_tokens": 0,  # a replay token stands for 32 real ones: no real-token floor
                 "weights_fingerprint": "replay:config-only"}  # the replay's model has no weights
     return {"kv_connector": "SparkcacheConnector", "kv_connector_module_path": "sparkcache.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {**extra, **settings}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {**extra, **settings}}
 
 
 @dataclass

@@ -11,7 +11,8 @@ A prompt is a list of token ids, or ``{"ids": [...], "cache_salt": "s", "lora": 
 the adapter into ``llm.generate(lora_request=LoRARequest(name, id, path))``. LoRA must be
 enabled for the engine life with ``"lora": {"max_lora_rank": 8, "max_loras": 2}`` (both
 optional, defaults shown), e.g. with an adapter from ``sparkcache.tinymodel.make_tiny_lora``;
-with it on, a prompt without an adapter runs on the base model.
+with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
+sets ``kv_load_failure_policy`` (default ``"recompute"``).
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
@@ -43,7 +44,7 @@ def run(cfg: dict) -> dict:
     if cfg.get("connector", "sparkcache") == "sparkcache":
         kvt = KVTransferConfig(kv_connector="SparkcacheConnector",
                                kv_connector_module_path="sparkcache.connector", kv_role="kv_both",
-                               kv_load_failure_policy="recompute",
+                               kv_load_failure_policy=cfg.get("load_failure_policy", "recompute"),
                                kv_connector_extra_config=dict(cfg.get("extra") or {}))
     elif cfg["connector"] == "example":
         kvt = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
@@ -93,12 +94,14 @@ RESULT_MARKER = "ENGINE-RESULT "
 
 
 def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
-                         command: tuple[str, ...] = ("contracts.engine_driver",)) -> dict:
+                         command: tuple[str, ...] = ("contracts.engine_driver",),
+                         env: dict[str, str] | None = None) -> dict:
     """``python -m *command JSON(cfg)`` in a new interpreter (its own session, killed with its
     group afterwards: engine processes ignore SIGTERM), with ``cwd`` first on PYTHONPATH; the
     child prints one ``ENGINE-RESULT {json}`` line. Returns that JSON plus ``log`` (the tail of
-    its output); raises RuntimeError with that output when the child fails."""
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+    its output); raises RuntimeError with that output when the child fails. ``env`` adds to
+    (or overrides) this process's environment for the child."""
+    env = dict(os.environ, **(env or {}), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")])))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Files, not pipes, so a straggler that inherited them cannot keep us waiting.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -94,16 +95,36 @@ def _parse_int(value: Any) -> int:
 def _parse_float(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a number, got a boolean")
-    return float(str(value).strip()) if not isinstance(value, (int, float)) else float(value)
+    number = float(str(value).strip()) if not isinstance(value, (int, float)) else float(value)
+    if not math.isfinite(number):
+        raise ValueError("expected a finite number")
+    return number
 
 
 def _parse_str(value: Any) -> str:
-    return str(value).strip()
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value.strip()
+
+
+def _parse_json_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("expected a JSON boolean (true or false), not a string or number: the "
+                         "scheduler transform reads it with bool(), which turns the string "
+                         "'false' on")
+    return value
+
+
+def _parse_json_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("expected a JSON number, not a string or boolean")
+    return _parse_float(value)
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "bool": _parse_bool, "int": _parse_int, "float": _parse_float,
     "bytes": parse_bytes, "str": _parse_str, "path": _parse_str, "choice": _parse_str,
+    "json_bool": _parse_json_bool, "json_number": _parse_json_number,
 }
 
 
@@ -112,29 +133,42 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 @dataclass(frozen=True)
 class SettingRow:
     """One row of the table. ``minimum``/``maximum`` bound numbers; ``choices`` bound choices;
-    ``pattern`` bounds strings."""
+    ``pattern`` bounds strings. A ``transform`` row is a scheduler transform's option: read
+    from ``kv_connector_extra_config`` only (under ``sparkcache_<name>``), never from the
+    environment, because the transformed vLLM code reads it there."""
 
     name: str
-    type: str  # bool | int | float | bytes | str | path | choice
+    type: str  # bool | int | float | bytes | str | path | choice | json_bool | json_number
     default: Any
     help: str
     minimum: float | None = None
     maximum: float | None = None
     choices: tuple[str, ...] = ()
     pattern: str | None = None
+    transform: bool = False
 
     @property
     def env_var(self) -> str:
         return ENV_PREFIX + self.name
 
     @property
+    def field(self) -> str:
+        """The ``Settings`` field."""
+        return self.name.lower()
+
+    @property
     def key(self) -> str:
         """The key in ``kv_connector_extra_config``."""
-        return self.name.lower()
+        return ("sparkcache_" if self.transform else "") + self.name.lower()
+
+    @property
+    def label(self) -> str:
+        """How errors and help name it."""
+        return f"kv_connector_extra_config[{self.key!r}]" if self.transform else self.env_var
 
     def allowed(self) -> str:
         """The allowed range in words, used in help and in errors."""
-        if self.type == "bool":
+        if self.type in ("bool", "json_bool"):
             return "true/false"
         if self.choices:
             return "one of " + ", ".join(self.choices)
@@ -151,7 +185,7 @@ class SettingRow:
         return "any"
 
     def parse(self, raw: Any, source: str) -> Any:
-        where = f"{self.env_var}={raw!r}" + (f" (from {source})" if source != "env" else "")
+        where = f"{self.label}={raw!r}" + (f" (from {source})" if source != "env" and not self.transform else "")
         try:
             value = _PARSERS[self.type](raw)
         except (ValueError, TypeError) as exc:
@@ -213,10 +247,32 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                pattern=r"[A-Za-z0-9._:@/+=-]{0,256}"),
     SettingRow("MAINTENANCE_INTERVAL_SECONDS", "float", 1.0, "Guaranteed idle pause between "
                "two maintenance passes.", minimum=0.01, maximum=3600),
+    SettingRow("ALLOW_FAILING_LOADS", "bool", False, "Run with vLLM's kv_load_failure_policy "
+               "other than \"recompute\" (vLLM 0.32.0's default is \"fail\"): a refused restore "
+               "(a corrupt or missing page) then fails the request instead of recomputing it."),
+    # The scheduler transforms' options (docs/RUNTIME_CONTRACT.md); absent means upstream behaviour.
+    SettingRow("GPU_LEASE_SECONDS", "json_number", None, "GPU-lease accounting: a deadline on "
+               "every delayed free of a finished request's blocks.", minimum=0.001,
+               maximum=86400, transform=True),
+    SettingRow("PREFER_LOCAL_PREFIX", "json_bool", False, "Ask the connector only beyond the "
+               "local attention depth: never reload resident attention pages.", transform=True),
+    SettingRow("RETAIN_DECODE_CHECKPOINT", "json_bool", False, "Hash the newest block-aligned "
+               "recurrent state reached in decode.", transform=True),
+    SettingRow("DROP_SUPERSEDED_CHECKPOINT", "json_bool", False, "With RETAIN_DECODE_CHECKPOINT: "
+               "drop the hash of the decode checkpoint a newer one supersedes.", transform=True),
 )
 
-_ROWS_BY_NAME = {row.name: row for row in SETTINGS_TABLE}
+# SPARKCACHE_* variables read by the tools around the connector, not by it.
+TOOL_ENV = {
+    "SPARKCACHE_TINYMODEL_CACHE": "where sparkcache.tinymodel caches the offline tiny models",
+    "SPARKCACHE_BUILD_CACHE": "build.py's cache directory (default .cache/)",
+    "SPARKCACHE_REGISTRY_PORT": "build.py's local registry port (default 5050)",
+    "SPARKCACHE_VERIFY_DIR": "the contract suite's inputs inside an image",
+    "SPARKCACHE_UPSTREAM_SCOPE": "which upstream vLLM tests the contract suite runs",
+}
+
 _ROWS_BY_KEY = {row.key: row for row in SETTINGS_TABLE}
+_ENV_NAMES = {row.env_var for row in SETTINGS_TABLE if not row.transform} | set(TOOL_ENV)
 
 
 @dataclass(frozen=True)
@@ -241,48 +297,75 @@ class Settings:
     maintenance_max_ms: float
     weights_fingerprint: str
     maintenance_interval_seconds: float
+    allow_failing_loads: bool
+    gpu_lease_seconds: float | None
+    prefer_local_prefix: bool
+    retain_decode_checkpoint: bool
+    drop_superseded_checkpoint: bool
 
     def replace(self, **changes: Any) -> "Settings":
-        """A copy with ``changes`` applied and validated again."""
+        """A copy with ``changes`` (by field name) applied and validated again."""
         merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         merged.update(changes)
-        return load_settings(env={}, extra_config=merged, require_root=False)
+        extra = {row.key: merged[row.field] for row in SETTINGS_TABLE if merged[row.field] is not None}
+        return load_settings(env={}, extra_config=extra, require_root=False)
 
 
-assert {f.name for f in dataclasses.fields(Settings)} == set(_ROWS_BY_KEY), "table and Settings differ"
+assert [f.name for f in dataclasses.fields(Settings)] == [r.field for r in SETTINGS_TABLE], \
+    "table and Settings differ"
 
 
 def load_settings(env: Mapping[str, str] | None = None,
                   extra_config: Mapping[str, Any] | None = None,
                   *, require_root: bool = True) -> Settings:
-    """Read, parse and validate every row. ``env`` defaults to ``os.environ``."""
+    """Read, parse and validate every row. ``env`` defaults to ``os.environ``. An unknown
+    ``SPARKCACHE_*`` variable or ``kv_connector_extra_config`` key is an error naming the
+    nearest valid one: a typo must not silently run with the default."""
     env = os.environ if env is None else env
     extra = dict(extra_config or {})
-    _reject_misspelled_keys(extra)
+    _reject_unknown(extra, env)
     values: dict[str, Any] = {}
     for row in SETTINGS_TABLE:
         if row.key in extra:
-            values[row.key] = row.parse(extra[row.key], "kv_connector_extra_config")
-        elif row.env_var in env:
-            values[row.key] = row.parse(env[row.env_var], "env")
+            values[row.field] = row.parse(extra[row.key], "kv_connector_extra_config")
+        elif row.env_var in env and not row.transform:
+            values[row.field] = row.parse(env[row.env_var], "env")
         else:
-            values[row.key] = row.default
+            values[row.field] = row.default
     settings = Settings(**values)
     _check_combinations(settings, require_root)
     return settings
 
 
-def _reject_misspelled_keys(extra: Mapping[str, Any]) -> None:
+def _nearest(name: str, known: Mapping[str, str]) -> str:
+    """'did you mean X?' for the closest of ``known`` (spelling -> what to suggest)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
+    return f"did you mean {known[close[0]]}?" if close else "known: " + ", ".join(sorted(set(known.values())))
+
+
+_KEY_SPELLINGS = {**{row.field: f"{row.key!r} ({row.label})" for row in SETTINGS_TABLE},
+                  **{row.key: f"{row.key!r} ({row.label})" for row in SETTINGS_TABLE}}
+_ENV_SPELLINGS = {name: name for name in _ENV_NAMES}
+
+
+def _reject_unknown(extra: Mapping[str, Any], env: Mapping[str, str]) -> None:
     for key in extra:
-        if key in _ROWS_BY_KEY:
-            continue
-        lowered = str(key).lower().removeprefix("sparkcache_").removeprefix("sparkcache.")
-        close = difflib.get_close_matches(lowered, list(_ROWS_BY_KEY), n=1, cutoff=0.9)
-        if close:
+        if key not in _ROWS_BY_KEY:
             raise SettingsError(
-                f"kv_connector_extra_config key {key!r} is not a sparkcache setting; did you mean "
-                f"{close[0]!r} ({_ROWS_BY_KEY[close[0]].env_var})? Keys are the lower-case "
-                "names without prefix.")
+                f"kv_connector_extra_config key {key!r} is not a sparkcache setting; "
+                f"{_nearest(str(key).lower(), _KEY_SPELLINGS)} Keys are the settings' lower-case "
+                "names (the scheduler transforms' with 'sparkcache_'); see `sparkcache --help`.")
+    transform_env = {row.env_var: row for row in SETTINGS_TABLE if row.transform}
+    for name in env:
+        if not name.startswith(ENV_PREFIX) or name in _ENV_NAMES:
+            continue
+        if name in transform_env:
+            raise SettingsError(
+                f"environment variable {name}={env[name]!r}: a scheduler transform option is read "
+                f"from {transform_env[name].label} only; set it there and unset {name}.")
+        raise SettingsError(
+            f"environment variable {name}={env[name]!r} is not a sparkcache setting; "
+            f"{_nearest(name, _ENV_SPELLINGS)} Unset it or fix its name; see `sparkcache --help`.")
 
 
 def _check_combinations(s: Settings, require_root: bool) -> None:
@@ -306,9 +389,13 @@ def _check_combinations(s: Settings, require_root: bool) -> None:
 def render_settings_help() -> str:
     """The table as text, for ``sparkcache --help`` and the docs."""
     lines = ["Settings (environment SPARKCACHE_<NAME>, or kv_connector_extra_config key "
-             "<name> in lower case; the dict wins over the environment):", ""]
+             "<name> in lower case; the dict wins over the environment; an unknown name of "
+             "either kind stops startup):", ""]
     for row in SETTINGS_TABLE:
         default = format_bytes(row.default) if row.type == "bytes" else repr(row.default)
-        lines.append(f"  {row.env_var}  ({row.type}, default {default}, allowed {row.allowed()})")
+        where = f"{row.label} (scheduler transform, not from the environment)" if row.transform else row.env_var
+        lines.append(f"  {where}  ({row.type}, default {default}, allowed {row.allowed()})")
         lines.append(f"      {row.help}")
+    lines += ["", "Read by the tools, not by the connector:"]
+    lines += [f"  {name}  {help}" for name, help in TOOL_ENV.items()]
     return "\n".join(lines)

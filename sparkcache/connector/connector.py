@@ -1,8 +1,9 @@
 """``SparkcacheConnector``: the class vLLM 0.32.0 loads (``KVConnectorBase_V1`` + ``SupportsHMA``).
 
 Settings come from ``kv_connector_extra_config`` (lower-case setting names) over the
-``SPARKCACHE_*`` environment (see ``sparkcache/settings.py``); keys of the scheduler
-transforms (``sparkcache_gpu_lease_seconds``, ...) are left to the scheduler.
+``SPARKCACHE_*`` environment (see ``sparkcache/settings.py``); the scheduler transforms'
+keys (``sparkcache_gpu_lease_seconds``, ...) are validated by the same table, and read by
+the transformed scheduler.
 """
 
 from __future__ import annotations
@@ -32,9 +33,6 @@ from .worker_side import WorkerSide
 
 logger = logging.getLogger("sparkcache.connector")
 
-_TRANSFORM_KEYS = ("sparkcache_gpu_lease_seconds", "sparkcache_prefer_local_prefix",
-                   "sparkcache_retain_decode_checkpoint", "sparkcache_drop_superseded_checkpoint")
-_FOREIGN_KEYS = ("shared_storage_path",)
 
 
 @dataclass
@@ -59,13 +57,21 @@ class SparkcacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 def _settings_from(vllm_config: Any):
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    ours = {k: v for k, v in extra.items()
-            if k not in _TRANSFORM_KEYS and k not in _FOREIGN_KEYS}
+    """The settings, and the scheduler transforms' options, parsed by the one table; a
+    kv_load_failure_policy that fails requests on a refused restore needs an explicit yes."""
+    kvt = vllm_config.kv_transfer_config
     try:
-        return load_settings(extra_config=ours)
+        settings = load_settings(extra_config=dict(kvt.kv_connector_extra_config or {}))
     except SettingsError as exc:
         raise SettingsError(f"sparkcache connector (kv_transfer_config.kv_connector_extra_config): {exc}") from None
+    policy = getattr(kvt, "kv_load_failure_policy", "recompute")
+    if settings.enabled and policy != "recompute" and not settings.allow_failing_loads:
+        raise SettingsError(
+            f"sparkcache connector: kv_transfer_config.kv_load_failure_policy={policy!r} fails "
+            "every request whose restore is refused (a corrupt or missing page). Fix: set "
+            "kv_load_failure_policy=\"recompute\" (the restore is then recomputed), or opt in "
+            "to failing requests with SPARKCACHE_ALLOW_FAILING_LOADS=1")
+    return settings
 
 
 def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:

@@ -29,8 +29,9 @@ def test_env_and_extra_config_precedence():
     assert s.max_bytes == 20 << 30  # the dict wins
     assert s.low_watermark_bytes == 8 << 30  # env
     assert s.ttl_seconds == 60.0
-    # keys that belong to other components are left alone
-    load_settings(env=ROOT, extra_config={"gpu_lease_seconds": 300, "prefer_local_prefix": True})
+    # the scheduler transforms' keys are read from the dict only
+    s = load_settings(env=ROOT, extra_config={"sparkcache_gpu_lease_seconds": 300})
+    assert s.gpu_lease_seconds == 300.0 and s.prefer_local_prefix is False
 
 
 @pytest.mark.parametrize("var,value,expect", [
@@ -93,4 +94,59 @@ def test_settings_frozen_and_replace_validates():
 def test_help_lists_every_row():
     text = render_settings_help()
     for row in SETTINGS_TABLE:
-        assert row.env_var in text and row.help[:20] in text
+        assert row.label in text and row.help[:20] in text
+
+
+@pytest.mark.parametrize("extra,expect", [
+    ({"gpu_lease_seconds": 300}, "'sparkcache_gpu_lease_seconds'"),
+    ({"prefer_local_prefix": True}, "'sparkcache_prefer_local_prefix'"),
+    ({"acess_mode": "restore-only"}, "'access_mode' (SPARKCACHE_ACCESS_MODE)"),
+    ({"shared_storage_path": "/x"}, "not a sparkcache setting"),
+])
+def test_unknown_extra_config_key_is_refused_with_the_nearest(extra, expect):
+    with pytest.raises(SettingsError) as err:
+        load_settings(env=ROOT, extra_config=extra)
+    assert expect in str(err.value) and repr(next(iter(extra))) in str(err.value), str(err.value)
+
+
+def test_unknown_environment_name_is_refused_with_the_nearest():
+    with pytest.raises(SettingsError) as err:
+        load_settings(env=dict(ROOT, SPARKCACHE_ACESS_MODE="restore-only"))
+    assert "SPARKCACHE_ACESS_MODE='restore-only'" in str(err.value)
+    assert "SPARKCACHE_ACCESS_MODE" in str(err.value)
+    # the tools' own variables and other programs' variables are fine
+    load_settings(env=dict(ROOT, SPARKCACHE_TINYMODEL_CACHE="/tmp/m", VLLM_CPU_KVCACHE_SPACE="1"))
+    # a transform option is not an environment variable
+    with pytest.raises(SettingsError, match="read from kv_connector_extra_config.'sparkcache_prefer_local_prefix'. only"):
+        load_settings(env=dict(ROOT, SPARKCACHE_PREFER_LOCAL_PREFIX="1"))
+
+
+@pytest.mark.parametrize("key,value", [
+    ("ttl_seconds", "nan"), ("ttl_seconds", float("nan")), ("lease_seconds", "inf"),
+    ("maintenance_max_ms", float("inf")), ("sparkcache_gpu_lease_seconds", float("nan")),
+])
+def test_non_finite_numbers_are_refused(key, value):
+    with pytest.raises(SettingsError, match="finite"):
+        load_settings(env=ROOT, extra_config={key: value})
+
+
+@pytest.mark.parametrize("key,value", [("namespace", None), ("root", None), ("weights_fingerprint", 7),
+                                       ("access_mode", None)])
+def test_a_string_setting_is_a_string(key, value):
+    with pytest.raises(SettingsError, match="expected a string"):
+        load_settings(env=ROOT, extra_config={key: value})
+
+
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None])
+def test_transform_booleans_are_json_booleans(value):
+    with pytest.raises(SettingsError) as err:
+        load_settings(env=ROOT, extra_config={"sparkcache_prefer_local_prefix": value})
+    assert "kv_connector_extra_config['sparkcache_prefer_local_prefix']" in str(err.value)
+    assert "true/false" in str(err.value)
+    assert load_settings(env=ROOT, extra_config={"sparkcache_prefer_local_prefix": False}).prefer_local_prefix is False
+
+
+@pytest.mark.parametrize("value", ["30", True, 0, -1])
+def test_transform_lease_is_a_positive_json_number(value):
+    with pytest.raises(SettingsError, match="sparkcache_gpu_lease_seconds"):
+        load_settings(env=ROOT, extra_config={"sparkcache_gpu_lease_seconds": value})

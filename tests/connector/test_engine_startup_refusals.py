@@ -1,0 +1,59 @@
+"""A misconfigured connector stops vLLM's startup with a message that names the setting and
+the fix, on the real CPU engine (each life a fresh process): never silently runs with a
+default, turns a transform on, or fails requests it could recompute.
+
+- ``SPARKCACHE_ACESS_MODE=restore-only`` (a typo of ``SPARKCACHE_ACCESS_MODE``): the store
+  would otherwise run read-write and write;
+- ``{"sparkcache_prefer_local_prefix": "false"}``: the transformed scheduler reads the key
+  with ``bool()``, which turns the string ``"false"`` on;
+- ``kv_load_failure_policy="fail"`` (vLLM 0.32.0's default) without
+  ``SPARKCACHE_ALLOW_FAILING_LOADS``: every refused restore would fail its request.
+The control life with the same model and root starts and serves.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import REPO, run_engine
+from contracts.engine_driver import run_in_fresh_process
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("store")
+    return {"model": tiny_model, "prompts": [list(range(3, 100))], "max_tokens": 2, "block_size": BLOCK,
+            "connector": "sparkcache", "extra": {"root": str(root)}}
+
+
+def _refused(cfg: dict, env: dict | None = None) -> str:
+    with pytest.raises(RuntimeError) as err:
+        run_in_fresh_process(cfg, REPO, timeout=300, env=env)
+    return str(err.value)
+
+
+def test_the_control_life_starts(base):
+    assert run_engine(base)["results"][0]["tokens"]
+
+
+def test_a_misspelled_environment_variable_stops_startup(base):
+    out = _refused(base, env={"SPARKCACHE_ACESS_MODE": "restore-only"})
+    assert "SPARKCACHE_ACESS_MODE='restore-only' is not a sparkcache setting" in out
+    assert "did you mean SPARKCACHE_ACCESS_MODE?" in out
+
+
+def test_a_string_for_a_transform_boolean_stops_startup(base):
+    cfg = {**base, "extra": {**base["extra"], "sparkcache_prefer_local_prefix": "false"}}
+    out = _refused(cfg)
+    assert "kv_connector_extra_config['sparkcache_prefer_local_prefix']='false'" in out
+    assert "true/false" in out
+
+
+def test_a_load_failure_policy_that_fails_requests_needs_an_explicit_yes(base):
+    out = _refused({**base, "load_failure_policy": "fail"})
+    assert "kv_load_failure_policy='fail'" in out and "SPARKCACHE_ALLOW_FAILING_LOADS=1" in out
+    served = run_in_fresh_process({**base, "load_failure_policy": "fail"}, REPO, timeout=300,
+                                  env={"SPARKCACHE_ALLOW_FAILING_LOADS": "1"})
+    assert served["results"][0]["tokens"]
