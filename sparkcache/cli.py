@@ -82,10 +82,11 @@ def _settings(args: argparse.Namespace, root: str | None) -> Settings:
     return settings
 
 
-def _open(settings: Settings, *, recover: bool, metrics: Any = None) -> Any:
+def _open(settings: Settings, *, writer: bool, metrics: Any = None) -> Any:
+    """The store; only a ``writer`` (gc) may write under the root."""
     from .store import PageStore
 
-    return PageStore.from_settings(settings, metrics=metrics, recover=recover)
+    return PageStore.from_settings(settings, metrics=metrics, read_only=not writer)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -94,7 +95,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     snapshots, texts = [], []
     for rank, root in enumerate(args.root or [None]):
         metrics = StoreMetrics(rank=str(rank))
-        store = _open(_settings(args, root), recover=False, metrics=metrics)
+        store = _open(_settings(args, root), writer=False, metrics=metrics)
         snapshots.append(store.capacity())
         texts.append(metrics.render())
     print(render_capacity_line(snapshots))
@@ -108,7 +109,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .store.layout import StoreLayout
 
     settings = _settings(args, args.root)
-    report = verify_store(StoreLayout.create(settings.root, settings.namespace))
+    report = verify_store(StoreLayout.create(settings.root, settings.namespace, make=False))
     for problem in report.problems:
         broken = ", ".join(problem.entries) or "(no entry)"
         print(f"BAD {problem.kind}: {problem.path}: {problem.detail}; breaks entries: {broken}")
@@ -122,7 +123,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .store import PassBudget, run_pass
 
     settings = _settings(args, args.root)
-    store = _open(settings, recover=True)
+    store = _open(settings, writer=True)
     rec = store.last_recovery
     report = run_pass(store, PassBudget.from_settings(settings), sweep_shards=args.sweep_shards)
     print(f"gc: recovery removed {rec.stale_publications_removed} dead publication(s)")
@@ -143,7 +144,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .store.objects import ObjectError
     from .store.pins import live_pins
 
-    store = _open(_settings(args, args.root), recover=False)
+    store = _open(_settings(args, args.root), writer=False)
     matches = [e for e in store.index.entries if e.startswith(args.entry)]
     bad = [b for e, b in store.index.bad.items() if e.startswith(args.entry)]
     if bad and not matches:

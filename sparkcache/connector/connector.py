@@ -84,8 +84,9 @@ def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
             logger.warning("sparkcache: restore-only and %s holds no store; nothing to restore "
                            "(restore-only never creates it)", base)
             return None
-        # recover=False: restore-only never removes another writer's leftovers.
-        return PageStore.from_settings(settings, metrics=metrics, recover=False)
+        # Writes nothing under the root (no recovery, no access times, no pins): works on a
+        # read-only mount, and never removes another writer's leftovers.
+        return PageStore.from_settings(settings, metrics=metrics, read_only=True)
     return PageStore.from_settings(settings, metrics=metrics)
 
 

@@ -35,6 +35,9 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                          "why: an input sparkcache does not restore yet, an adapter it cannot "
                          "tell apart, or a cache reset.", "reason",
                          {"skipped_" + r: r for r in SKIP_REASONS}),
+    "quarantined_objects": ("Page objects found corrupt on a restore and removed by a writing "
+                            "worker, so the next capture of their prefix writes them again.", None,
+                            {"objects_quarantined": ""}),
     "offered_tokens": ("Tokens offered to the scheduler beyond the local hit.", None,
                        {"offered_tokens": ""}),
     "captures": ("Captures by outcome.", "outcome",

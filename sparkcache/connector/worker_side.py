@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkcache.store.manifests import pages_needed
-from sparkcache.store.objects import ObjectError
+from sparkcache.store.objects import CORRUPT, ObjectError
 
 from .capture_slots import CaptureSlots
 from .scheduler_side import StoredPages
@@ -153,6 +153,7 @@ class WorkerSide:
             logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
             if self.store.metrics is not None:
                 self.store.metrics._lookup_misses.labels(self.store.metrics.rank, exc.reason).inc()
+            self._quarantine(exc, stored)
             return False
         per_block = [self._block_bytes(n) for g in range(len(self.group_layers)) for n in self._layers(g)]
         # Check every page's size before placing any byte.
@@ -188,6 +189,19 @@ class WorkerSide:
                         for i, first_id, n in runs:
                             dst[first_id:first_id + n].copy_(layer_src[i:i + n])
         return True
+
+    def _quarantine(self, exc: ObjectError, stored: StoredPages) -> None:
+        """A writing worker removes an object found corrupt, so the next capture of that
+        prefix writes it anew and the restore after it succeeds (a corrupt object whose name
+        is taken would otherwise be refused on every later restore). restore-only writes
+        nothing."""
+        if exc.reason != CORRUPT or self.slots is None:
+            return
+        size = next((p.size for p in stored.pages if p.digest == exc.digest), None)
+        if size is not None and self.store.objects.discard_corrupt(exc.digest, size):
+            logger.warning("sparkcache: removed corrupt page object %s; the next capture of its "
+                           "prefix writes it again", exc.digest)
+            self._add("objects_quarantined")
 
     def _stored_pages(self, plan: Any) -> StoredPages | None:
         """The pages to read: those the scheduler's lookup found, when it looked under this

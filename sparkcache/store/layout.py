@@ -49,7 +49,9 @@ class StoreLayout:
     base: str
 
     @classmethod
-    def create(cls, root: str, namespace: str = "default") -> "StoreLayout":
+    def create(cls, root: str, namespace: str = "default", *, make: bool = True) -> "StoreLayout":
+        """The layout of ROOT/NAMESPACE, its directories made unless ``make`` is false (a
+        reader that must not write: restore-only, ``status``, ``verify``, ``inspect``)."""
         if not os.path.isabs(root):
             raise ValueError(f"store root {root!r}: must be an absolute path")
         if "/" in namespace or namespace in ("", ".", ".."):
@@ -57,7 +59,7 @@ class StoreLayout:
         base = os.path.join(os.path.realpath(root), namespace)
         layout = cls(base)
         for sub in (layout.objects_dir, layout.manifests_dir, layout.staging_dir,
-                    layout.pins_dir, layout.locks_dir):
+                    layout.pins_dir, layout.locks_dir) if make else ():
             os.makedirs(sub, exist_ok=True)
         return layout
 

@@ -225,6 +225,28 @@ class ObjectStore:
         except FileNotFoundError:
             return 0
 
+    def discard_corrupt(self, digest: str, size: int) -> bool:
+        """Remove an object that fails verification as ``corrupt`` (wrong bytes or size, a
+        symlink), so the next publication of its bytes writes it anew instead of finding
+        its name taken; True when removed. It is verified again first: one rewritten good
+        meanwhile stays, and so does anything that is neither a file nor a link inside the
+        root (``verify`` reports those)."""
+        try:
+            self.read_verified(digest, size)
+            return False
+        except ObjectError as exc:
+            if exc.reason != CORRUPT:
+                return False
+        path = self.path(digest)
+        try:
+            self.layout.check_inside(path)
+            if not stat.S_ISREG(os.lstat(path).st_mode) and not os.path.islink(path):
+                return False
+            os.unlink(path)  # a link itself, never what it points to
+        except (UnsafePathError, OSError):
+            return False
+        return True
+
     def iter_shard(self, shard: str) -> list[tuple[str, int]]:
         """(digest, size) of the files in one shard directory (``"ab"``)."""
         out: list[tuple[str, int]] = []

@@ -36,10 +36,16 @@ class PageStore:
     def __init__(self, root: str, *, namespace: str = "default", max_bytes: int = 40 << 30,
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
                  ttl_seconds: float = 0.0, page_blocks: int = 16, metrics: Any = None,
-                 recover: bool = True) -> None:
+                 recover: bool = True, read_only: bool = False) -> None:
+        """``read_only``: a reader that writes nothing under the root (restore-only, the
+        CLI's status and inspect; works on a read-only mount): no directories made, no
+        recovery, lookups neither record the access nor pin (a lease is None), publishing
+        refused."""
         if low_watermark_bytes > max_bytes:
             raise ValueError(f"low_watermark_bytes={low_watermark_bytes} > max_bytes={max_bytes}")
-        self.layout = StoreLayout.create(root, namespace)
+        self.read_only = read_only
+        recover = recover and not read_only
+        self.layout = StoreLayout.create(root, namespace, make=not read_only)
         self.objects = ObjectStore(self.layout)
         self.max_bytes = max_bytes
         self.low_watermark_bytes = low_watermark_bytes
@@ -61,11 +67,13 @@ class PageStore:
         self._report_capacity()
 
     @classmethod
-    def from_settings(cls, settings: Any, *, metrics: Any = None, recover: bool = True) -> "PageStore":
+    def from_settings(cls, settings: Any, *, metrics: Any = None, recover: bool = True,
+                      read_only: bool = False) -> "PageStore":
         return cls(settings.root, namespace=settings.namespace, max_bytes=settings.max_bytes,
                    low_watermark_bytes=settings.low_watermark_bytes,
                    lease_seconds=settings.lease_seconds, ttl_seconds=settings.ttl_seconds,
-                   page_blocks=settings.page_blocks, metrics=metrics, recover=recover)
+                   page_blocks=settings.page_blocks, metrics=metrics, recover=recover,
+                   read_only=read_only)
 
     # ------------------------------------------------------------------ startup
 
@@ -94,6 +102,9 @@ class PageStore:
         blocks (copy-on-write growth without re-capturing); page objects that already exist
         are reused, never rewritten.
         """
+        if self.read_only:
+            raise PermissionError(f"{self.layout.base}: opened read-only; publishing needs a "
+                                  "writer (read-write or store-only)")
         started = time.monotonic()
         bpp = blocks_per_page or self.page_blocks
         keys = block_keys(block_hashes)
@@ -204,7 +215,8 @@ class PageStore:
 
         Every page of the hit is checked (present, regular, right size; with ``verify``
         also re-hashed). A broken entry is a miss with reason ``corrupt`` or ``absent``.
-        With ``lease`` the entry is pinned (release with ``release``).
+        With ``lease`` the entry is pinned (release with ``release``), unless the store is
+        read-only: a reader that writes nothing cannot pin (its reads are verified anyway).
         """
         keys = block_keys(block_hashes)
         idd = identity.digest()
@@ -227,11 +239,12 @@ class PageStore:
         except ObjectError as exc:
             return self._miss(exc.reason, entry.entry_id, str(exc))
         lease_id = None
-        if lease:
+        if lease and not self.read_only:
             lease_id = self.pin(entry.entry_id, idd)
             if lease_id is None:
                 return self._miss(ABSENT, entry.entry_id, "entry was evicted during the lookup")
-        _touch(entry)
+        if not self.read_only:
+            _touch(entry)
         result = LookupResult(depth, entry.entry_id, HIT, "", handle, lease_id)
         if self.metrics is not None:
             self.metrics.on_lookup(result)

@@ -39,8 +39,9 @@ def metric(result: dict, name: str, **labels) -> float:
     return total
 
 
-def snapshot(root: Path) -> dict[str, bytes]:
+def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file and directory under ``root``: (mtime in ns, bytes or ``<dir>``)."""
     out = {}
     for p in sorted(root.rglob("*")):
-        out[str(p.relative_to(root))] = p.read_bytes() if p.is_file() else b"<dir>"
+        out[str(p.relative_to(root))] = (p.lstat().st_mtime_ns, p.read_bytes() if p.is_file() else b"<dir>")
     return out

@@ -7,10 +7,14 @@ One module-scoped sequence of engine lives on one store root, each in its own pr
 2. read-write, cold: the prompt (2,100 tokens) is computed and published;
 3. read-write after a restart: restored; external tokens == the stored reusable prefix
    (from vLLM's own counters and from the attribution record); output identical;
-4. restore-only: restores, and the root's file list and bytes are unchanged;
+4. restore-only, on a read-only bind mount of the root: restores with identical output, and
+   the root's files, directories, bytes and mtimes are unchanged;
 5. one byte of one stored object flipped, read-write: the restore is refused (nothing
-   placed), the request recomputes, the output is identical, the load-failure counter moved;
-6. disabled, pointed at a root that does not exist: it still does not exist afterwards.
+   placed), the request recomputes, the output is identical, the load-failure counter moved,
+   and the corrupt object is removed (quarantine counter 1), so this request's capture
+   writes it again;
+6. read-write after that: restored again, with identical output;
+7. disabled, pointed at a root that does not exist: it still does not exist afterwards.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from mounts import read_only_view
 
 from .conftest import long_prompt, metric, run_engine, snapshot
 
@@ -37,9 +43,12 @@ def runs(tiny_model, tmp_path_factory):
     out["after_cold_snapshot"] = snapshot(root)
     out["restored"] = run_engine(rw)
     before = snapshot(root)
-    out["restore_only"] = run_engine({**rw, "extra": {**rw["extra"], "access_mode": "restore-only"}})
-    out["restore_only_unchanged"] = before == snapshot(root)
-    out["restore_only_diff"] = sorted(set(before) ^ set(snapshot(root)))
+    with read_only_view(root, tmp_path_factory.mktemp("mnt") / "ro") as ro:
+        out["restore_only"] = run_engine({**rw, "extra": {**rw["extra"], "root": str(ro),
+                                                          "access_mode": "restore-only"}})
+    after = snapshot(root)
+    out["restore_only_unchanged"] = before == after
+    out["restore_only_diff"] = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     objects = sorted(p for p in (root / "default" / "objects").rglob("*") if p.is_file())
     victim = objects[len(objects) // 2]
     data = bytearray(victim.read_bytes())
@@ -47,6 +56,8 @@ def runs(tiny_model, tmp_path_factory):
     victim.write_bytes(bytes(data))
     out["victim"] = str(victim)
     out["corrupt"] = run_engine(rw)
+    out["victim_after_corrupt"] = victim.exists() and victim.read_bytes() == bytes(data)
+    out["healed"] = run_engine(rw)
     missing = root.parent / "never-created"
     out["disabled_root"] = missing
     out["disabled"] = run_engine({**rw, "extra": {"root": str(missing), "access_mode": "disabled"}})
@@ -78,7 +89,7 @@ def test_restart_restores_the_stored_prefix_with_identical_output(runs):
     assert metric(res, "vllm:sparkcache_attributed_tokens", source="external") == REUSABLE
 
 
-def test_restore_only_restores_and_writes_nothing(runs):
+def test_restore_only_on_a_read_only_mount_restores_and_writes_nothing(runs):
     res = runs["restore_only"]
     assert runs["restore_only_unchanged"], runs["restore_only_diff"]
     assert record(res)["external_tokens"] == REUSABLE
@@ -94,6 +105,16 @@ def test_flipped_byte_is_refused_and_recomputed(runs):
     assert metric(res, "vllm:sparkcache_load_failures") == 1
     assert metric(res, "vllm:sparkcache_restored_tokens") == 0
     assert "refused, nothing placed" in res["log"] and "corrupt" in res["log"]
+    assert metric(res, "vllm:sparkcache_quarantined_objects") == 1
+    assert not runs["victim_after_corrupt"]  # removed, then written anew by the capture
+
+
+def test_after_the_corrupt_object_is_removed_the_next_capture_heals_the_entry(runs):
+    res = runs["healed"]
+    assert res["results"][0]["tokens"] == runs["reference"]["results"][0]["tokens"]
+    rec = record(res)
+    assert rec["external_tokens"] == REUSABLE and rec["failed_restores"] == 0
+    assert metric(res, "vllm:sparkcache_quarantined_objects") == 0
 
 
 def test_disabled_does_no_file_io_under_the_root(runs):

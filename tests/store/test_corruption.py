@@ -125,3 +125,58 @@ def test_verify_passes_on_pristine_store(pristine):
     cli = run_cli("verify", "--root", str(pristine))
     assert cli.returncode == 0, cli.stdout
     assert "problems=0 -> ok" in cli.stdout
+
+
+def _first_page(store):
+    handle = store.lookup(IDENT, conv_keys(1, 10)).handle
+    ref = handle.pages[0]
+    return ref, store.objects.path(ref.digest)
+
+
+def test_a_corrupt_object_is_discarded_and_the_next_publication_heals_the_entry(pristine, tmp_path):
+    root = _copy(pristine, tmp_path, "heal")
+    store = open_store(root, page_blocks=4)
+    ref, path = _first_page(store)
+    data = bytearray(open(path, "rb").read())
+    data[3] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    assert store.lookup(IDENT, conv_keys(1, 10), verify=True).reason == "corrupt"
+    # the name is taken: a publication of the same bytes would not rewrite it
+    assert store.publish(IDENT, conv_keys(1, 10), conv_pages(1, 10, 4)).ok
+    assert store.lookup(IDENT, conv_keys(1, 10), verify=True).reason == "corrupt"
+    assert store.objects.discard_corrupt(ref.digest, ref.size)
+    assert not os.path.exists(path)
+    assert store.lookup(IDENT, conv_keys(1, 10)).reason == "absent"  # not offered meanwhile
+    assert store.publish(IDENT, conv_keys(1, 10), conv_pages(1, 10, 4)).ok
+    lookup, read = store.fetch(IDENT, conv_keys(1, 10))
+    assert lookup.hit and read.ok and list(read.pages) == conv_pages(1, 10, 4)
+
+
+def test_discard_keeps_good_objects_and_never_follows_a_link_out(pristine, tmp_path):
+    root = _copy(pristine, tmp_path, "keep")
+    store = open_store(root, page_blocks=4)
+    ref, path = _first_page(store)
+    assert not store.objects.discard_corrupt(ref.digest, ref.size)  # it verifies: stays
+    assert os.path.exists(path)
+    outside = tmp_path / "outside"
+    outside.write_bytes(open(path, "rb").read())
+    os.unlink(path)
+    os.symlink(outside, path)  # a link in place of the object: removed, its target untouched
+    assert store.objects.discard_corrupt(ref.digest, ref.size)
+    assert not os.path.lexists(path) and outside.read_bytes() == conv_pages(1, 10, 4)[0]
+    os.mkdir(path)  # a directory in place of the object: not ours to remove
+    assert not store.objects.discard_corrupt(ref.digest, ref.size) and os.path.isdir(path)
+
+
+def test_discard_never_removes_through_a_linked_shard_directory(pristine, tmp_path):
+    root = _copy(pristine, tmp_path, "shard")
+    store = open_store(root, page_blocks=4)
+    ref, path = _first_page(store)
+    shard = os.path.dirname(path)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(shard, elsewhere)
+    os.symlink(elsewhere, shard)
+    victim = elsewhere / os.path.basename(path)
+    victim.write_bytes(b"x" * ref.size)  # wrong bytes, outside the root
+    assert not store.objects.discard_corrupt(ref.digest, ref.size)
+    assert victim.read_bytes() == b"x" * ref.size
