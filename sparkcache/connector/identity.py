@@ -23,7 +23,6 @@ import dataclasses
 import enum
 import hashlib
 import json
-import logging
 import os
 import stat
 from importlib import resources
@@ -33,8 +32,6 @@ from typing import Any
 from sparkcache.store import Identity
 
 from .keys import KEY_SCHEME
-
-logger = logging.getLogger("sparkcache.connector")
 
 LOCK_RESOURCE = "vllm-0.32.0.lock.json"  # package data: the lock of the runtime we were built for
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5",

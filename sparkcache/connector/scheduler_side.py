@@ -388,8 +388,8 @@ SKIP_REASONS = ("multimodal", "prompt_embeds", "lora_unreadable", "lora_changed"
 
 
 def unsupported_input(request: Any) -> str | None:
-    """Why a request's KV is neither offered nor captured (``multimodal``,
-    ``prompt_embeds``), or None. Multimodal inputs and prompt embeddings are keyed (``keys.py``) but their
+    """Why a request's KV is neither offered nor captured (``multimodal``, ``prompt_embeds``),
+    or None. Multimodal inputs and prompt embeddings are keyed (``keys.py``), but their
     restore has not been shown end to end on the engine; until it is, they recompute."""
     if request.mm_features:
         return "multimodal"
