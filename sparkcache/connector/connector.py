@@ -34,7 +34,6 @@ from .worker_side import WorkerSide
 logger = logging.getLogger("sparkcache.connector")
 
 
-
 @dataclass
 class SparkcacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)

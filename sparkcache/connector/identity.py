@@ -218,12 +218,12 @@ def installed_runtime(site_packages: Path | None = None) -> str:
     ``sha256:<lock>`` when every file the lock names is at its postimage (transformed),
     ``sha256:<lock>+pristine`` when every one is at its preimage, otherwise
     ``unlocked:vllm-<version>:sha256:<hash of those files>`` (another or a patched vLLM)."""
+    import vllm
+
     raw = _lock_bytes()
     lock = json.loads(raw)
     lock_hash = "sha256:" + _sha256(raw)
     if site_packages is None:
-        import vllm
-
         site_packages = Path(vllm.__file__).resolve().parents[1]
     got = {}
     for f in lock["files"]:
@@ -235,8 +235,6 @@ def installed_runtime(site_packages: Path | None = None) -> str:
         return lock_hash
     if all(got[f["path"]] == f["preimage_sha256"] for f in lock["files"]):
         return lock_hash + "+pristine"
-    import vllm
-
     return f"unlocked:vllm-{vllm.__version__}:sha256:" + _sha256(_canonical(got).encode())
 
 

@@ -36,15 +36,14 @@ class PageStore:
     def __init__(self, root: str, *, namespace: str = "default", max_bytes: int = 40 << 30,
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
                  ttl_seconds: float = 0.0, page_blocks: int = 16, metrics: Any = None,
-                 recover: bool = True, read_only: bool = False) -> None:
-        """``read_only``: a reader that writes nothing under the root (restore-only, the
-        CLI's status and inspect; works on a read-only mount): no directories made, no
-        recovery, lookups neither record the access nor pin (a lease is None), publishing
-        refused."""
+                 read_only: bool = False) -> None:
+        """A writer recovers dead publications on open. ``read_only``: a reader that writes
+        nothing under the root (restore-only, the CLI's status and inspect; works on a
+        read-only mount): no directories made, no recovery, lookups neither record the
+        access nor pin (a lease is None), publishing refused."""
         if low_watermark_bytes > max_bytes:
             raise ValueError(f"low_watermark_bytes={low_watermark_bytes} > max_bytes={max_bytes}")
         self.read_only = read_only
-        recover = recover and not read_only
         self.layout = StoreLayout.create(root, namespace, make=not read_only)
         self.objects = ObjectStore(self.layout)
         self.max_bytes = max_bytes
@@ -59,7 +58,7 @@ class PageStore:
         self.draining = False  # above max once; evicting until at or under the low watermark
         self.unsynced_dirs: set[str] = set()  # manifest dirs with unlinks not yet fsynced
         self.unit_costs = UnitCosts()  # what maintenance's units of work recently cost
-        if recover:
+        if not read_only:
             self.recover()
         else:
             with self._mutex:
@@ -67,13 +66,12 @@ class PageStore:
         self._report_capacity()
 
     @classmethod
-    def from_settings(cls, settings: Any, *, metrics: Any = None, recover: bool = True,
+    def from_settings(cls, settings: Any, *, metrics: Any = None,
                       read_only: bool = False) -> "PageStore":
         return cls(settings.root, namespace=settings.namespace, max_bytes=settings.max_bytes,
                    low_watermark_bytes=settings.low_watermark_bytes,
                    lease_seconds=settings.lease_seconds, ttl_seconds=settings.ttl_seconds,
-                   page_blocks=settings.page_blocks, metrics=metrics, recover=recover,
-                   read_only=read_only)
+                   page_blocks=settings.page_blocks, metrics=metrics, read_only=read_only)
 
     # ------------------------------------------------------------------ startup
 

@@ -219,7 +219,7 @@ def _store_capacity(root):
     from sparkcache.settings import load_settings
     from sparkcache.store import PageStore
 
-    return PageStore.from_settings(load_settings(extra_config={"root": str(root)}), recover=False).capacity()
+    return PageStore.from_settings(load_settings(extra_config={"root": str(root)}), read_only=True).capacity()
 
 
 def test_metrics_on_the_idle_server_match_the_records_and_the_store(chat):
