@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -109,15 +111,13 @@ def _parse_str(value: Any) -> str:
 
 def _parse_json_bool(value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError("expected a JSON boolean (true or false), not a string or number: the "
-                         "scheduler transform reads it with bool(), which turns the string "
-                         "'false' on")
+        raise ValueError("not a JSON boolean")
     return value
 
 
 def _parse_json_number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("expected a JSON number, not a string or boolean")
+        raise ValueError("not a JSON number")
     return _parse_float(value)
 
 
@@ -167,9 +167,11 @@ class SettingRow:
         return f"kv_connector_extra_config[{self.key!r}]" if self.transform else self.env_var
 
     def allowed(self) -> str:
-        """The allowed range in words, used in help and in errors."""
-        if self.type in ("bool", "json_bool"):
+        """The allowed range in words, used in help, in errors and in docs/RUNTIME_CONTRACT.md."""
+        if self.type == "bool":
             return "true/false"
+        if self.type == "json_bool":
+            return "JSON true/false only (not a string, number or null)"
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.pattern:
@@ -177,12 +179,16 @@ class SettingRow:
         fmt = format_bytes if self.type == "bytes" else (
             (lambda v: str(int(v))) if self.type == "int" else (lambda v: f"{v:g}"))
         if self.minimum is not None and self.maximum is not None:
-            return f"{fmt(self.minimum)} .. {fmt(self.maximum)}"
-        if self.minimum is not None:
-            return f">= {fmt(self.minimum)}"
-        if self.type == "path":
+            bounds = f"{fmt(self.minimum)} .. {fmt(self.maximum)}"
+        elif self.minimum is not None:
+            bounds = f">= {fmt(self.minimum)}"
+        elif self.type == "path":
             return "a directory path"
-        return "any"
+        else:
+            bounds = "any"
+        if self.type == "json_number":
+            return f"a finite JSON number {bounds} (not a string, boolean or null)"
+        return bounds
 
     def parse(self, raw: Any, source: str) -> Any:
         where = f"{self.label}={raw!r}" + (f" (from {source})" if source != "env" and not self.transform else "")
@@ -252,14 +258,18 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "(a corrupt or missing page) then fails the request instead of recomputing it."),
     # The scheduler transforms' options (docs/RUNTIME_CONTRACT.md); absent means upstream behaviour.
     SettingRow("GPU_LEASE_SECONDS", "json_number", None, "GPU-lease accounting: a deadline on "
-               "every delayed free of a finished request's blocks.", minimum=0.001,
+               "every delayed free of a finished request's blocks, whose retired recurrent "
+               "checkpoints are held with them and freed last.", minimum=0.001,
                maximum=86400, transform=True),
-    SettingRow("PREFER_LOCAL_PREFIX", "json_bool", False, "Ask the connector only beyond the "
-               "local attention depth: never reload resident attention pages.", transform=True),
+    SettingRow("PREFER_LOCAL_PREFIX", "json_bool", False, "Take the local attention depth and ask "
+               "the connector only beyond it: never reload resident attention pages. Declares "
+               "that the connector restores the recurrent state at the end of any load it "
+               "performs (sparkcache's does).", transform=True),
     SettingRow("RETAIN_DECODE_CHECKPOINT", "json_bool", False, "Hash the newest block-aligned "
-               "recurrent state reached in decode.", transform=True),
-    SettingRow("DROP_SUPERSEDED_CHECKPOINT", "json_bool", False, "With RETAIN_DECODE_CHECKPOINT: "
-               "drop the hash of the decode checkpoint a newer one supersedes.", transform=True),
+               "recurrent (Mamba align) state reached in decode.", transform=True),
+    SettingRow("DROP_SUPERSEDED_CHECKPOINT", "json_bool", False, "With "
+               "sparkcache_retain_decode_checkpoint true: drop the hash of the decode checkpoint "
+               "a newer one supersedes.", transform=True),
 )
 
 # SPARKCACHE_* variables read by the tools around the connector, not by it.
@@ -337,6 +347,25 @@ def load_settings(env: Mapping[str, str] | None = None,
     return settings
 
 
+def transform_option(extra_config: Mapping[str, Any] | None, key: str) -> Any:
+    """The scheduler transform option ``key`` (``sparkcache_<name>``) of vLLM's
+    ``kv_connector_extra_config``, parsed by its row of the table exactly as ``load_settings``
+    parses it; the row's default when the key is absent.
+
+    The code the scheduler transforms inject into vLLM calls this (importing this module only
+    when the key is present), so the transformed scheduler and the connector accept the same
+    values. A bad value raises ``SettingsError`` (a ``ValueError``) naming the key, the value
+    and the accepted values. Other keys of the dict are not looked at."""
+    row = _ROWS_BY_KEY.get(key)
+    if row is None or not row.transform:
+        known = ", ".join(r.key for r in SETTINGS_TABLE if r.transform)
+        raise SettingsError(f"{key!r} is not a scheduler transform option; known: {known}")
+    extra = extra_config or {}
+    if key not in extra:
+        return row.default
+    return row.parse(extra[key], "kv_connector_extra_config")
+
+
 def _nearest(name: str, known: Mapping[str, str]) -> str:
     """'did you mean X?' for the closest of ``known`` (spelling -> what to suggest)."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
@@ -398,4 +427,24 @@ def render_settings_help() -> str:
         lines.append(f"      {row.help}")
     lines += ["", "Read by the tools, not by the connector:"]
     lines += [f"  {name}  {help}" for name, help in TOOL_ENV.items()]
+    return "\n".join(lines)
+
+
+def render_transform_options_markdown() -> str:
+    """The scheduler transforms' options as docs/RUNTIME_CONTRACT.md shows them, from the table
+    (tests/test_runtime_contract.py keeps the doc equal to this)."""
+    lead = textwrap.fill(
+        "Set in `kv_transfer_config.kv_connector_extra_config`. The code each transform injects "
+        "reads its keys with `sparkcache.settings.transform_option`, which parses them by their "
+        "rows of the settings table (`sparkcache/settings.py`, `transform=True`: read from this "
+        "dict only, never from the environment), as the sparkcache connector does at startup: "
+        "the transformed scheduler accepts exactly the values below, whatever the connector. "
+        "With a transform's keys absent it behaves as upstream (and does not import sparkcache). "
+        "Any other value, `null` included, stops startup with a `SettingsError` (a `ValueError`) "
+        "naming the key, the value and the accepted values.", width=100, break_on_hyphens=False)
+    lines = [lead, "", "| key | accepted values | absent | effect |", "| --- | --- | --- | --- |"]
+    for row in SETTINGS_TABLE:
+        if row.transform:
+            absent = "off" if row.default is None else json.dumps(row.default)
+            lines.append(f"| `{row.key}` | {row.allowed()} | {absent}: upstream | {row.help} |")
     return "\n".join(lines)

@@ -47,30 +47,24 @@ self._sparkcache_configure_checkpoint_retention()
 _SCHEDULER_HELPER = '''
 def _sparkcache_configure_checkpoint_retention(self) -> None:
     # sparkcache checkpoint_retention, opt in through kv_connector_extra_config:
-    # sparkcache_retain_decode_checkpoint (bool) hashes the newest block-aligned
+    # sparkcache_retain_decode_checkpoint hashes the newest block-aligned
     # recurrent state reached past the prompt; sparkcache_drop_superseded_checkpoint
-    # (bool, needs the first) drops the hash of the decode state it supersedes.
-    # Both absent or false: upstream behaviour.
-
-    def sparkcache_flag(extra: dict, key: str) -> bool:
-        value = extra.get(key, False)
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.strip().lower() in ("", "0", "false", "no", "off"):
-            return False
-        raise ValueError(
-            f"kv_connector_extra_config[{key!r}] = {value!r} is not a boolean; "
-            "set it to true or false (sparkcache checkpoint_retention)"
-        )
-
+    # (needs the first) drops the hash of the decode state it supersedes.
+    # sparkcache's settings table parses both, as the connector does (JSON
+    # true/false only). Both absent: upstream behaviour, sparkcache not imported.
     kv_transfer_config = self.vllm_config.kv_transfer_config
     extra = {}
     if kv_transfer_config is not None:
         extra = kv_transfer_config.kv_connector_extra_config or {}
-    retain = sparkcache_flag(extra, "sparkcache_retain_decode_checkpoint")
-    drop = sparkcache_flag(extra, "sparkcache_drop_superseded_checkpoint")
+    if (
+        "sparkcache_retain_decode_checkpoint" not in extra
+        and "sparkcache_drop_superseded_checkpoint" not in extra
+    ):
+        return
+    from sparkcache.settings import transform_option
+
+    retain = transform_option(extra, "sparkcache_retain_decode_checkpoint")
+    drop = transform_option(extra, "sparkcache_drop_superseded_checkpoint")
     if not retain:
         return
     for manager in self.kv_cache_manager.coordinator.single_type_managers:
@@ -219,11 +213,11 @@ TRANSFORM = Transform(
     ),
     config_keys={
         RETAIN_KEY: (
-            "bool, default false. Hash the newest block-aligned recurrent (Mamba align) state reached at "
+            "JSON true/false, default false (parsed by sparkcache.settings.transform_option). Hash the newest block-aligned recurrent (Mamba align) state reached at "
             "or past the prompt end, so the next turn can hit locally at the end of the previous turn."
         ),
         DROP_KEY: (
-            "bool, default false; only meaningful with sparkcache_retain_decode_checkpoint. When a newer "
+            "JSON true/false, default false; only meaningful with sparkcache_retain_decode_checkpoint. When a newer "
             "decode state is kept, drop the hash of the decode state it supersedes (never the prompt's "
             "replay-boundary state), so one decode checkpoint per request stays cached."
         ),

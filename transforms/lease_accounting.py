@@ -31,8 +31,9 @@ STATS = "vllm/v1/metrics/stats.py"
 _SCHEDULER_HELPERS = '''
 def _sparkcache_init_leases(self) -> None:
     """sparkcache lease_accounting: read sparkcache_gpu_lease_seconds (absent: off)."""
-    # With the option (float > 0), every delayed free (a connector's
-    # request_finished returned True) becomes a lease that ends at
+    # With the option (seconds: a finite JSON number, parsed by sparkcache's
+    # settings table as the connector parses it), every delayed free (a
+    # connector's request_finished returned True) becomes a lease that ends at
     # finished_sending or at its deadline, whichever comes first; the request's
     # retired-but-still-cached recurrent checkpoints are held with it and freed
     # after its own blocks. Absent: upstream behaviour.
@@ -47,22 +48,14 @@ def _sparkcache_init_leases(self) -> None:
     kv_transfer_config = self.vllm_config.kv_transfer_config
     if kv_transfer_config is None:
         return
-    value = (kv_transfer_config.kv_connector_extra_config or {}).get(
-        "sparkcache_gpu_lease_seconds"
+    extra = kv_transfer_config.kv_connector_extra_config or {}
+    if "sparkcache_gpu_lease_seconds" not in extra:
+        return  # upstream's unbounded delayed free; sparkcache not imported
+    from sparkcache.settings import transform_option
+
+    self.sparkcache_lease_seconds = transform_option(
+        extra, "sparkcache_gpu_lease_seconds"
     )
-    if value is None:
-        return
-    try:
-        seconds = float(value) if not isinstance(value, bool) else float("nan")
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not 0.0 < seconds < float("inf"):
-        raise ValueError(
-            "kv_connector_extra_config['sparkcache_gpu_lease_seconds'] = "
-            f"{value!r}: expected a number of seconds > 0 (leave it out to "
-            "keep upstream's unbounded delayed free)"
-        )
-    self.sparkcache_lease_seconds = seconds
     for manager in self.kv_cache_manager.coordinator.single_type_managers:
         if hasattr(manager, "sparkcache_retired_checkpoints"):
             manager.sparkcache_retired_checkpoints = {}
@@ -322,7 +315,8 @@ TRANSFORM = Transform(
     ),
     config_keys={
         LEASE_KEY: (
-            "float seconds > 0: deadline of every delayed free (GPU lease); retired recurrent checkpoints are "
+            "seconds, a finite JSON number (range and parsing: sparkcache.settings.transform_option, the "
+            "connector's own row): deadline of every delayed free (GPU lease); retired recurrent checkpoints are "
             "held for the lease and freed last; absent: upstream behaviour"
         ),
     },

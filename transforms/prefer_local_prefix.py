@@ -44,15 +44,19 @@ _READ_OPTION = Edit(
     mode="insert_before",
     anchor="kv_transfer_config = self.vllm_config.kv_transfer_config",
     new='''
-self.sparkcache_prefer_local_prefix = bool(  # sparkcache prefer_local_prefix (opt-in)
-    (
-        (
-            self.vllm_config.kv_transfer_config is not None
-            and self.vllm_config.kv_transfer_config.kv_connector_extra_config
-        )
-        or {}
-    ).get("sparkcache_prefer_local_prefix", False)
-)
+self.sparkcache_prefer_local_prefix = False  # sparkcache prefer_local_prefix (opt-in)
+if self.vllm_config.kv_transfer_config is not None and (
+    "sparkcache_prefer_local_prefix"
+    in (self.vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+):
+    # Parsed by sparkcache's settings table as the connector parses it (JSON
+    # true/false only); with the key absent sparkcache is not imported.
+    from sparkcache.settings import transform_option
+
+    self.sparkcache_prefer_local_prefix = transform_option(
+        self.vllm_config.kv_transfer_config.kv_connector_extra_config,
+        "sparkcache_prefer_local_prefix",
+    )
 ''',
 )
 
@@ -244,9 +248,10 @@ TRANSFORM = Transform(
     ),
     config_keys={
         KEY: (
-            "bool, default false. True: the connector (sparkcache's) restores the recurrent state at the end "
-            "of any load, so the scheduler takes the local attention depth and asks the connector only for "
-            "the difference. Absent/false: upstream behaviour."
+            "JSON true/false (parsed by sparkcache.settings.transform_option, the connector's own row). "
+            "True: the connector (sparkcache's) restores the recurrent state at the end of any load, so the "
+            "scheduler takes the local attention depth and asks the connector only for the difference. "
+            "Absent/false: upstream behaviour."
         )
     },
     edits={SCHEDULER: (_READ_OPTION, _DIVERGENT_LOOKUP, _ASK_CONNECTOR, _LOCAL_ATTENTION_HIT, _HELPER)},

@@ -2,8 +2,8 @@
 
 Settings come from ``kv_connector_extra_config`` (lower-case setting names) over the
 ``SPARKCACHE_*`` environment (see ``sparkcache/settings.py``); the scheduler transforms'
-keys (``sparkcache_gpu_lease_seconds``, ...) are validated by the same table, and read by
-the transformed scheduler.
+keys (``sparkcache_gpu_lease_seconds``, ...) are rows of the same table, through which the
+transformed scheduler reads them too (``sparkcache.settings.transform_option``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ default, turns a transform on, or fails requests it could recompute.
 
 - ``SPARKCACHE_ACESS_MODE=restore-only`` (a typo of ``SPARKCACHE_ACCESS_MODE``): the store
   would otherwise run read-write and write;
-- ``{"sparkcache_prefer_local_prefix": "false"}``: the transformed scheduler reads the key
-  with ``bool()``, which turns the string ``"false"`` on;
+- ``{"sparkcache_prefer_local_prefix": "false"}``: read with ``bool()`` the string ``"false"``
+  would turn the transform on; the transformed scheduler and the connector parse the key with
+  the same row of the settings table, which takes JSON booleans only;
 - ``kv_load_failure_policy="fail"`` (vLLM 0.32.0's default) without
   ``SPARKCACHE_ALLOW_FAILING_LOADS``: every refused restore would fail its request.
 The control life with the same model and root starts and serves.

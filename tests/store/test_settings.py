@@ -150,3 +150,30 @@ def test_transform_booleans_are_json_booleans(value):
 def test_transform_lease_is_a_positive_json_number(value):
     with pytest.raises(SettingsError, match="sparkcache_gpu_lease_seconds"):
         load_settings(env=ROOT, extra_config={"sparkcache_gpu_lease_seconds": value})
+
+
+def test_transform_option_reads_only_its_key():
+    from sparkcache.settings import transform_option
+
+    key = "sparkcache_prefer_local_prefix"
+    # other keys of the shared dict are not looked at; absent is the row's default
+    assert transform_option({"probe_delay_free": "x", key: True}, key) is True
+    assert transform_option({"probe_delay_free": "x"}, key) is False
+    assert transform_option(None, "sparkcache_gpu_lease_seconds") is None
+    assert transform_option({"sparkcache_gpu_lease_seconds": 30}, "sparkcache_gpu_lease_seconds") == 30.0
+    for not_an_option in ("max_bytes", "sparkcache_prefer_local_prefixx"):
+        with pytest.raises(SettingsError, match="not a scheduler transform option; known: "):
+            transform_option({}, not_an_option)
+
+
+@pytest.mark.parametrize("key,value", [("sparkcache_prefer_local_prefix", "false"),
+                                       ("sparkcache_gpu_lease_seconds", "5")])
+def test_transform_option_refuses_word_for_word_as_the_connector(key, value):
+    from sparkcache.settings import transform_option
+
+    with pytest.raises(ValueError) as from_transform:
+        transform_option({key: value}, key)
+    with pytest.raises(SettingsError) as from_connector:
+        load_settings(env=ROOT, extra_config={key: value})
+    assert str(from_transform.value) == str(from_connector.value)
+    assert f"kv_connector_extra_config[{key!r}]={value!r}" in str(from_transform.value)

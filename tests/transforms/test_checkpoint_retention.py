@@ -99,3 +99,24 @@ def test_transformed_with_options_off_is_upstream(transformed_tree, pristine):
     off = run_scenario(transformed_tree, SCENARIO, options_on=False)
     assert off.pop("_scheduler_file").startswith(str(transformed_tree))
     assert off == pristine
+
+
+def test_option_values_parsed_by_the_settings_table(transformed_tree):
+    configs = [
+        {RETAIN_KEY: "yes"},  # accepted as true before the one table
+        {RETAIN_KEY: True, DROP_KEY: "no"},
+        {DROP_KEY: "true"},  # checked even without the first key
+        {RETAIN_KEY: 1},
+        {RETAIN_KEY: True},
+        {RETAIN_KEY: True, DROP_KEY: True},
+        {RETAIN_KEY: False, DROP_KEY: True},
+        {DROP_KEY: True},
+    ]
+    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=configs)
+    assert result["absent"] == {"error": None, "read": [False, False]}
+    assert result["sparkcache_imported_without_options"] is False
+    errors = [r["error"] for r in result["readings"][:4]]
+    for error, (key, value) in zip(errors, [(RETAIN_KEY, "'yes'"), (DROP_KEY, "'no'"), (DROP_KEY, "'true'"), (RETAIN_KEY, "1")]):
+        assert error and f"kv_connector_extra_config['{key}']={value}" in error and "JSON true/false only" in error, error
+    assert [r["read"] for r in result["readings"][4:]] == [[True, False], [True, True], [False, False], [False, False]]
+    assert all(r["error"] is None for r in result["readings"][4:])

@@ -152,9 +152,16 @@ def test_option_absent_is_upstream(transformed_tree, pristine):
     assert off == upstream
 
 
-def test_bad_lease_values_fail_at_startup(transformed_tree):
-    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=[0, -1, "soon", True, "nan", 2.5, "10"])
-    errors = result["config_errors"]
-    for bad in ("0", "-1", "'soon'", "True", "'nan'"):
-        assert errors[bad] and "sparkcache_gpu_lease_seconds" in errors[bad] and "> 0" in errors[bad], bad
-    assert errors["2.5"] is None and errors["'10'"] is None
+def test_lease_values_parsed_by_the_settings_table(transformed_tree):
+    # The injected code calls sparkcache.settings.transform_option: the connector's own row.
+    values = [float("nan"), float("inf"), "5", True, None, 0, -1, "soon", 0.0001, 86401, 2.5, 30]
+    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=values)
+    assert result["absent"] == {"error": None, "read": None}  # upstream: no deadline
+    assert result["sparkcache_imported_without_options"] is False
+    readings = dict(zip(map(repr, values), result["readings"]))
+    for bad in ("nan", "inf", "'5'", "True", "None", "0", "-1", "'soon'", "0.0001", "86401"):
+        error = readings[bad]["error"]
+        assert error and f"kv_connector_extra_config['sparkcache_gpu_lease_seconds']={bad}" in error, (bad, error)
+        assert "a finite JSON number 0.001 .. 86400" in error, error
+    assert readings["2.5"] == {"error": None, "read": 2.5}
+    assert readings["30"] == {"error": None, "read": 30.0}

@@ -109,3 +109,18 @@ def test_transformed_option_off_is_upstream(transformed_tree, pristine):
     off = run_scenario(transformed_tree, SCENARIO, options_on=False)
     assert off.pop("_scheduler_file").startswith(str(transformed_tree))
     assert off == pristine
+
+
+def test_option_values_parsed_by_the_settings_table(transformed_tree):
+    # The string "false" used to turn the transform on (bool("false")); now only JSON booleans.
+    values = ["false", "true", "", 0, 1, None, True, False]
+    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=values)
+    assert result["absent"] == {"error": None, "read": False}
+    assert result["sparkcache_imported_without_options"] is False
+    readings = dict(zip(map(repr, values), result["readings"]))
+    for bad in ("'false'", "'true'", "''", "0", "1", "None"):
+        error = readings[bad]["error"]
+        assert error and f"kv_connector_extra_config['sparkcache_prefer_local_prefix']={bad}" in error, (bad, error)
+        assert "JSON true/false only" in error and readings[bad]["read"] is None, error
+    assert readings["True"] == {"error": None, "read": True}
+    assert readings["False"] == {"error": None, "read": False}

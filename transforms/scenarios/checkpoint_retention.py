@@ -127,12 +127,21 @@ def _admit(scheduler, request) -> dict:
     }
 
 
-def run(options_on: bool) -> dict:
+def _decode_checkpoint_options(scheduler) -> list:
+    """(retain, drop) as the Mamba manager was configured by the transformed scheduler."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[MAMBA_GROUP]
+    return [getattr(manager, "_sparkcache_retain_decode", False), getattr(manager, "_sparkcache_drop_superseded", False)]
+
+
+def run(options_on: bool, config_values: list | None = None) -> dict:
     """retention_0: production retention, with both keys when options_on;
     dense_reference: dense retention (None), no keys (the reference);
     ends_on_boundary_delayed_free: 40 + 25 tokens, the run ends with the state at 64,
     the connector delays the free;
-    retain_only (options_on only): retention 0 with the first key alone."""
+    retain_only (options_on only): retention 0 with the first key alone.
+    config_values: how the scheduler reads each extra-config dict of the two keys instead."""
+    if config_values is not None:
+        return harness.option_readings(config_values, _decode_checkpoint_options, num_blocks=NUM_BLOCKS)
     keys = {RETAIN_KEY: True, DROP_KEY: True} if options_on else {}
     result = {
         "options_on": options_on,

@@ -14,7 +14,7 @@ import json
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 BLOCK_SIZE = 16
 
@@ -210,6 +210,30 @@ def first_schedule_hit(scheduler, request, token_id: int = 7) -> dict:
     scheduler.add_request(request)
     step(scheduler, token_id, on_scheduled=read_stats)
     return seen
+
+
+def option_readings(configs: list[dict[str, Any]], read: Callable[[Any], Any], **kwargs: Any) -> dict:
+    """How the Scheduler reads a transform's options: built once per ``configs`` entry (added to
+    kv_connector_extra_config), each reading is ``{"error": str | None, "read": read(scheduler)}``.
+
+    First a Scheduler without any of the options: on the transformed tree it must not import
+    sparkcache (the injected code imports ``sparkcache.settings`` only for a key that is present).
+    """
+    import sys
+
+    def reading(extra: dict[str, Any]) -> dict[str, Any]:
+        try:
+            scheduler = make_hybrid_scheduler(extra_config=extra, **kwargs)
+        except ValueError as exc:
+            return {"error": str(exc), "read": None}
+        return {"error": None, "read": read(scheduler)}
+
+    absent = reading({})
+    return {
+        "absent": absent,
+        "sparkcache_imported_without_options": "sparkcache.settings" in sys.modules,
+        "readings": [reading(extra) for extra in configs],
+    }
 
 
 # --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from transforms.scenarios.harness import (
     BLOCK_SIZE,
     make_hybrid_scheduler,
     make_request,
+    option_readings,
     per_group_hits,
     run_to_completion,
 )
@@ -109,7 +110,13 @@ def _case(options_on: bool, divergent: bool, store_tokens: int, seed=_seed) -> d
     }
 
 
-def run(options_on: bool) -> dict:
+def run(options_on: bool, config_values: list | None = None) -> dict:
+    """config_values: how the scheduler reads each sparkcache_prefer_local_prefix value instead."""
+    if config_values is not None:
+        return option_readings(
+            [{"sparkcache_prefer_local_prefix": value} for value in config_values],
+            lambda scheduler: getattr(scheduler, "sparkcache_prefer_local_prefix", None),
+        )
     cases = {
         f"store{store}_{'divergent' if div else 'default'}": _case(options_on, div, store)
         for store in (80, 64, 0)
