@@ -13,13 +13,38 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from .settings import SettingsError, Settings, load_settings, render_settings_help
 
+# Object shards of a store (two hex digits); ``gc --sweep-shards`` sweeps 0 .. all of them.
+_OBJECT_SHARDS = 256
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line naming the argument and where the help is; exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _count(maximum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number 0 .. maximum (argparse names the option when refused)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number 0 .. {maximum}")
+        return value
+
+    return parse
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sparkcache", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Inspect and maintain a sparkcache page store.",
         epilog=render_settings_help())
@@ -46,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="One maintenance pass (TTL, eviction toward the low watermark "
                                    "when above max, orphan sweep) within the settings' budget.")
     common(p)
-    p.add_argument("--sweep-shards", type=int, default=256, metavar="N",
-                   help="object shards to sweep for orphans (of 256; default all)")
+    p.add_argument("--sweep-shards", type=_count(_OBJECT_SHARDS),
+                   default=_OBJECT_SHARDS, metavar="N",
+                   help=f"object shards to sweep for orphans, 0 .. {_OBJECT_SHARDS} (default all)")
     p = sub.add_parser("inspect", help="show one entry: identity, blocks, pages, pins",
                        description="Show one entry (full id or a unique prefix of it).")
     common(p)
@@ -56,23 +82,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace, root: str | None) -> Settings:
-    extra: dict[str, Any] = {}
-    if args.config:
-        text = args.config
-        if text.startswith("@"):
-            with open(text[1:]) as f:
-                text = f.read()
+_CONFIG_EXAMPLE = "'{\"max_bytes\": \"40GiB\"}'"
+
+
+def _read_config(value: str) -> dict[str, Any]:
+    """``--config``: a JSON object, or ``@FILE`` holding one; a SettingsError names the fix."""
+    where, text = "--config", value
+    if value.startswith("@"):
+        path = value[1:]
+        where = f"--config @{path}"
+        if not path:
+            raise SettingsError(f"{where}: no file name after '@'; pass --config @FILE or the "
+                                f"JSON object itself, e.g. {_CONFIG_EXAMPLE}")
         try:
-            extra = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SettingsError(f"--config: not a JSON object ({exc}); pass e.g. "
-                                "'{\"max_bytes\": \"40GiB\"}'") from None
-        if not isinstance(extra, dict):
-            raise SettingsError("--config: must be a JSON object of settings")
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise SettingsError(f"{where}: cannot read {path!r} ({reason}); pass a readable "
+                                f"UTF-8 file holding a JSON object, e.g. {_CONFIG_EXAMPLE}") from None
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"{where}: not valid JSON ({exc}); pass a JSON object, "
+                            f"e.g. {_CONFIG_EXAMPLE}") from None
+    if not isinstance(extra, dict):
+        raise SettingsError(f"{where}: a JSON {type(extra).__name__} is not a JSON object of "
+                            f"settings; pass e.g. {_CONFIG_EXAMPLE}")
+    return extra
+
+
+def _settings(args: argparse.Namespace, root: str | None) -> Settings:
+    extra = _read_config(args.config) if args.config is not None else {}
     if root:
         extra["root"] = os.path.abspath(root)
-    if args.namespace:
+    if args.namespace is not None:
         extra["namespace"] = args.namespace
     settings = load_settings(extra_config=extra)
     base = os.path.join(settings.root, settings.namespace)
@@ -90,12 +134,13 @@ def _open(settings: Settings, *, writer: bool, metrics: Any = None) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    every_settings = [_settings(args, root) for root in args.root or [None]]
     from .metrics import StoreMetrics, render_capacity_line
 
     snapshots, texts = [], []
-    for rank, root in enumerate(args.root or [None]):
+    for rank, settings in enumerate(every_settings):
         metrics = StoreMetrics(rank=str(rank))
-        store = _open(_settings(args, root), writer=False, metrics=metrics)
+        store = _open(settings, writer=False, metrics=metrics)
         snapshots.append(store.capacity())
         texts.append(metrics.render())
     print(render_capacity_line(snapshots))
@@ -105,10 +150,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    settings = _settings(args, args.root)
     from .store import verify_store
     from .store.layout import StoreLayout
 
-    settings = _settings(args, args.root)
     report = verify_store(StoreLayout.create(settings.root, settings.namespace, make=False))
     for problem in report.problems:
         broken = ", ".join(problem.entries) or "(no entry)"
@@ -120,9 +165,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    settings = _settings(args, args.root)
     from .store import PassBudget, run_pass
 
-    settings = _settings(args, args.root)
     store = _open(settings, writer=True)
     rec = store.last_recovery
     report = run_pass(store, PassBudget.from_settings(settings), sweep_shards=args.sweep_shards)
@@ -141,10 +186,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    settings = _settings(args, args.root)
     from .store.objects import ObjectError
     from .store.pins import live_pins
 
-    store = _open(_settings(args, args.root), writer=False)
+    store = _open(settings, writer=False)
     matches = [e for e in store.index.entries if e.startswith(args.entry)]
     bad = [b for e, b in store.index.bad.items() if e.startswith(args.entry)]
     if bad and not matches:
@@ -166,7 +212,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{sum(p.size for p in m.pages)} bytes")
     print(f"  created    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created_at))}")
     print(f"  last used  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.last_access))}")
-    print(f"  pinned     {'yes' if m.entry_id in live_pins(store.layout.pins_dir) else 'no'}")
+    print(f"  pinned     {'yes' if m.entry_id in live_pins(store.layout, store.lease_seconds) else 'no'}")
     status = 0
     for i, page in enumerate(m.pages):
         state = "shared" if store.index.refcount.get(page.digest, 0) > 1 else "own"
@@ -185,12 +231,19 @@ _COMMANDS = {"status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "inspect"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the subcommand's parser, so the message points at its help
+        (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return _COMMANDS[args.command](args)
     except SettingsError as exc:
         print(f"sparkcache: settings error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, ValueError) as exc:  # the store cannot be opened (missing, a link, EIO)
+        print(f"sparkcache {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from .store.results import LOOKUP_MISSES, PUBLISH_FAILURES
+
 P = "vllm:sparkcache_"
 
 
@@ -46,11 +48,17 @@ class StoreMetrics:
         self.entries = gauge("entries", "Published entries.")
         self._publish_failures = counter("publish_failures", "Failed publications.", ["reason"])
         self._lookup_misses = counter("lookup_misses", "Lookups or reads that missed.", ["reason"])
+        self.passes_stopped = counter("maintenance_passes_stopped",
+                                      "Maintenance passes that gave up: lock (the gc lock stayed "
+                                      "held past the wait bound) or error (the filesystem "
+                                      "failed).", ["reason"])
+        for reason in ("lock", "error"):
+            self.passes_stopped.labels(rank, reason)
         self.publications = counter("publications", "Successful publications.")
         self.bytes_written = counter("bytes_written", "Page bytes written by publications.")
-        for reason in ("no_space", "over_capacity", "io_error", "base_absent"):
+        for reason in PUBLISH_FAILURES:
             self._publish_failures.labels(rank, reason)  # exported at 0 from the start
-        for reason in ("not_found", "corrupt", "absent"):
+        for reason in LOOKUP_MISSES:
             self._lookup_misses.labels(rank, reason)
         self._pending: dict[Any, tuple[float, int]] = {}
         self.last_capacity: Any = None
@@ -80,6 +88,8 @@ class StoreMetrics:
         self.last_pass_bytes.set(report.bytes_reclaimed)
         self.evictions.inc(evicted)
         self.bytes_reclaimed.inc(report.bytes_reclaimed)
+        if report.stopped_by in ("lock", "error"):
+            self.passes_stopped.labels(self.rank, report.stopped_by).inc()
 
     def on_capacity(self, snapshot: Any) -> None:
         self.last_capacity = snapshot

@@ -49,6 +49,11 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
     "bytes_reclaimed": ("Bytes reclaimed by maintenance from evicted entries.", None,
                         {"bytes_reclaimed": ""}),
     "maintenance_passes": ("Maintenance passes run by the workers.", None, {"maintenance_passes": ""}),
+    "maintenance_passes_stopped": ("Maintenance passes that gave up: the store's lock stayed "
+                                   "held past the wait bound (lock) or the filesystem failed "
+                                   "(error).", "reason",
+                                   {"maintenance_stopped_lock": "lock",
+                                    "maintenance_stopped_error": "error"}),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "publication_pending_slots": ("Capture slots waiting for or under publication.", "pending_slots"),

@@ -41,7 +41,9 @@ class WorkerMaintenance:
         with self._lock:
             for key, n in (("evicted_entries", report.entries_evicted + report.entries_expired),
                            ("bytes_reclaimed", report.bytes_reclaimed),
-                           ("maintenance_passes", 1)):
+                           ("maintenance_passes", 1),
+                           (f"maintenance_stopped_{report.stopped_by}",
+                            report.stopped_by in ("lock", "error"))):
                 if n:
                     self._counters[key] = self._counters.get(key, 0) + n
             self._gauges.update(maintenance_last_pass_duration_seconds=report.duration_s,

@@ -9,12 +9,13 @@ once, however many entries share it, in whole filesystem blocks.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 
 from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is_entry_id, \
-    is_identity_digest, open_nofollow
-from .manifests import Manifest, ManifestError, decode
+    is_identity_digest
+from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
 
 _MTIME_TRUST_S = 0.05  # directory mtimes newer than this may hide a change in the same tick
 
@@ -62,11 +63,15 @@ class EntryIndex:
         self.blocks: dict[str, dict[str, tuple[int, set[str]]]] = {}
         self.ends: dict[str, dict[str, set[str]]] = {}  # identity -> last block key -> entries
         self.refcount: dict[str, int] = {}
-        self.object_size: dict[str, int] = {}
+        self.object_size: dict[str, int] = {}  # bytes each referenced object occupies on disk
         self.objects_bytes = 0
         self.manifests_bytes = 0
-        # Objects of evicted entries, still on disk until maintenance deletes them.
+        # Objects of evicted entries, still on disk until maintenance deletes them: the
+        # bytes they occupy.
         self.deferred: dict[str, int] = {}
+        # Files under manifests/ that are not manifests the store can read (links, FIFOs,
+        # files where an identity directory belongs): path -> why. ``verify`` lists them.
+        self.strays: dict[str, str] = {}
         self._marks: dict[str, _DirMark] = {}
 
     # ------------------------------------------------------------------ accounting
@@ -77,19 +82,30 @@ class EntryIndex:
 
     def deferred_bytes(self) -> int:
         """Bytes of evicted entries' objects not deleted yet (and not referenced again)."""
-        return sum(allocated(size, self.alloc_unit) for d, size in self.deferred.items()
-                   if d not in self.refcount)
+        return sum(size for d, size in self.deferred.items() if d not in self.refcount)
 
     def entry_free_bytes(self, entry: IndexedEntry, dropping: dict[str, int]) -> int:
         """Bytes evicting ``entry`` would free, given refs already dropped in ``dropping``."""
         freed = allocated(entry.manifest_bytes, self.alloc_unit)
-        refcount, unit = self.refcount, self.alloc_unit
+        refcount = self.refcount
         for page in entry.unique_pages:
             dropped = dropping.get(page.digest, 0) + 1
             dropping[page.digest] = dropped
             if refcount.get(page.digest, 0) == dropped:
-                freed += allocated(page.size, unit)
+                freed += self.object_size.get(page.digest, 0)
         return freed
+
+    def occupied(self, digest: str) -> int:
+        """Bytes the object ``digest`` occupies on disk (allocated blocks, at most its size
+        rounded up to whole blocks): 0 when it is missing or not a regular file. What a
+        manifest declares is never counted (a bogus 10 TB page costs nothing)."""
+        try:
+            st = self.layout.lstat(self.layout.object_path(digest))
+        except (OSError, UnsafePathError):
+            return 0
+        if not stat.S_ISREG(st.st_mode):
+            return 0
+        return min(st.st_blocks * 512, allocated(st.st_size, self.alloc_unit))
 
     # ------------------------------------------------------------------ mutation
 
@@ -102,9 +118,11 @@ class EntryIndex:
         self.manifests_bytes += allocated(entry.manifest_bytes, self.alloc_unit)
         for page in entry.unique_pages:
             count = self.refcount.get(page.digest, 0)
-            if count == 0:
-                self.object_size[page.digest] = page.size
-                self.objects_bytes += allocated(page.size, self.alloc_unit)
+            if count == 0 or not self.object_size.get(page.digest):
+                # first reference, or one that was missing when an earlier entry named it
+                size = self.occupied(page.digest)
+                self.objects_bytes += size - self.object_size.get(page.digest, 0)
+                self.object_size[page.digest] = size
             self.refcount[page.digest] = count + 1
         self.ends.setdefault(m.identity_digest, {}).setdefault(m.block_keys[-1], set()).add(m.entry_id)
         by_key = self.blocks.setdefault(m.identity_digest, {})
@@ -127,8 +145,7 @@ class EntryIndex:
             count = self.refcount.get(page.digest, 0) - 1
             if count <= 0:
                 self.refcount.pop(page.digest, None)
-                self.objects_bytes -= allocated(self.object_size.pop(page.digest, page.size),
-                                                self.alloc_unit)
+                self.objects_bytes -= self.object_size.pop(page.digest, 0)
                 freed.append(page.digest)
             else:
                 self.refcount[page.digest] = count
@@ -182,9 +199,19 @@ class EntryIndex:
 
     def refresh(self, force: bool = False) -> None:
         try:
-            dirs = [d for d in os.listdir(self.layout.manifests_dir) if is_identity_digest(d)]
-        except FileNotFoundError:
-            dirs = []
+            found = self.layout.scandir_files(self.layout.manifests_dir)
+        except (OSError, UnsafePathError) as exc:
+            found = []
+            self.strays[self.layout.manifests_dir] = f"cannot list manifests: {exc}"
+        dirs = []
+        for name, st in found:
+            path = os.path.join(self.layout.manifests_dir, name)
+            if is_identity_digest(name) and stat.S_ISDIR(st.st_mode):
+                dirs.append(name)
+                self.strays.pop(path, None)
+            else:
+                self.strays[path] = ("not an identity directory of manifests (a link, a file "
+                                     "or a stray name); the store ignores it: remove it")
         for gone in set(self._marks) - set(dirs):
             for entry_id in list(self._marks.pop(gone).names):
                 self.remove(entry_id)
@@ -195,26 +222,23 @@ class EntryIndex:
     def _refresh_dir(self, idd: str, force: bool) -> None:
         path = self.layout.identity_dir(idd)
         try:
-            st = os.stat(path)
+            with self.layout.open_dir(path) as d:
+                listing = self._changed_listing(idd, d.fd, force)
         except FileNotFoundError:
             return
-        mark = self._marks.get(idd)
-        settled = time.time() - st.st_mtime_ns / 1e9 > _MTIME_TRUST_S
-        if mark is not None and not force and settled and mark.mtime_ns == st.st_mtime_ns:
+        except (OSError, UnsafePathError) as exc:
+            self.strays[path] = f"cannot list: {exc}"
             return
-        if mark is None:
-            mark = self._marks[idd] = _DirMark(st.st_mtime_ns)
-        # Record the mtime seen *before* listing: a change during the listing moves it again.
-        mark.mtime_ns = st.st_mtime_ns if settled else -1
+        if listing is None:
+            return
+        mark = self._marks[idd]
         seen: dict[str, int] = {}
-        with os.scandir(path) as it:
-            for d in it:
-                if not d.name.endswith(MANIFEST_SUFFIX):
-                    continue  # temp files never live here; anything else is ignored
-                entry_id = d.name[: -len(MANIFEST_SUFFIX)]
-                if not is_entry_id(entry_id):
-                    continue
-                seen[entry_id] = d.inode()
+        for name, inode in listing:
+            if not name.endswith(MANIFEST_SUFFIX):
+                continue  # temp files never live here; anything else is ignored
+            entry_id = name[: -len(MANIFEST_SUFFIX)]
+            if is_entry_id(entry_id):
+                seen[entry_id] = inode
         for entry_id in set(mark.names) - set(seen):
             self.remove(entry_id)
             self.bad.pop(entry_id, None)
@@ -228,21 +252,47 @@ class EntryIndex:
             self.load(idd, entry_id)
         mark.names = {e: i for e, i in seen.items() if e in self.entries or e in self.bad}
 
+    def _changed_listing(self, idd: str, fd: int, force: bool) -> list[tuple[str, int]] | None:
+        """(name, inode) of the identity directory open at ``fd``; None when its mtime says
+        nothing changed since the last listing (and the mtime is old enough to trust)."""
+        st = os.fstat(fd)
+        mark = self._marks.get(idd)
+        settled = time.time() - st.st_mtime_ns / 1e9 > _MTIME_TRUST_S
+        if mark is not None and not force and settled and mark.mtime_ns == st.st_mtime_ns:
+            return None
+        if mark is None:
+            mark = self._marks[idd] = _DirMark(st.st_mtime_ns)
+        # Record the mtime seen *before* listing: a change during the listing moves it again.
+        mark.mtime_ns = st.st_mtime_ns if settled else -1
+        with os.scandir(fd) as it:  # inodes from the directory itself, no stat per file
+            return [(e.name, e.inode()) for e in it]
+
     def load(self, idd: str, entry_id: str) -> IndexedEntry | None:
-        """(Re)read one manifest file into the view; a bad one is recorded in ``self.bad``."""
+        """(Re)read one manifest file into the view; a bad one is recorded in ``self.bad``
+        (a link, a FIFO, a directory, an unreadable or oversized file, or a body that does
+        not decode), never raised."""
         path = self.layout.manifest_path(idd, entry_id)
         try:
-            fd = open_nofollow(path)
+            fd = self.layout.open_file(path, os.O_RDONLY)
         except FileNotFoundError:
             self.remove(entry_id)
             return None
-        except UnsafePathError as exc:
-            self._mark_bad(entry_id, idd, path, "corrupt", str(exc), _lstat_inode(path))
+        except (OSError, UnsafePathError) as exc:
+            self._mark_bad(entry_id, idd, path, "corrupt", str(exc),
+                           _lstat_inode(self.layout, path))
             return None
+        inode = -1
         try:
             st = os.fstat(fd)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read()
+            inode = st.st_ino
+            if st.st_size > MAX_MANIFEST_BYTES:
+                self._mark_bad(entry_id, idd, path, "corrupt", f"{st.st_size} bytes, more than "
+                               f"a manifest can hold ({MAX_MANIFEST_BYTES})", st.st_ino)
+                return None
+            data = _read_all(fd, st.st_size)
+        except OSError as exc:
+            self._mark_bad(entry_id, idd, path, "corrupt", f"unreadable: {exc}", inode)
+            return None
         finally:
             os.close(fd)
         try:
@@ -266,13 +316,24 @@ class EntryIndex:
         """Re-read last-access times (manifest mtimes), which other processes may have touched."""
         for entry in self.entries.values():
             try:
-                entry.last_access = os.lstat(entry.path).st_mtime
-            except FileNotFoundError:
+                entry.last_access = self.layout.lstat(entry.path).st_mtime
+            except (OSError, UnsafePathError):
                 pass
 
 
-def _lstat_inode(path: str) -> int:
+def _read_all(fd: int, size: int) -> bytes:
+    chunks, got = [], 0
+    while got <= size:  # one read past the size sees a file that grew meanwhile
+        chunk = os.read(fd, size + 1 - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _lstat_inode(layout: StoreLayout, path: str) -> int:
     try:
-        return os.lstat(path).st_ino
-    except FileNotFoundError:
+        return layout.lstat(path).st_ino
+    except (OSError, UnsafePathError):
         return -1

@@ -9,8 +9,13 @@
 
 Every path the store opens is built here from validated names; a name that is not a
 lower-case hex digest of the right length is refused (so a manifest cannot smuggle in
-``..`` or an absolute path), and symlinks are never followed (``O_NOFOLLOW`` plus a check
-that the resolved parent stays inside the root).
+``..`` or an absolute path). Every file operation under the root goes through
+``StoreLayout``'s own methods, which walk from the store directory one component at a time
+with ``openat(O_DIRECTORY | O_NOFOLLOW)`` and act on the last name relative to that
+directory descriptor (``unlinkat``, ``renameat``, ``openat(O_NOFOLLOW | O_NONBLOCK)``,
+``utimensat(AT_SYMLINK_NOFOLLOW)``): a symbolic link or a non-directory anywhere below the
+root is refused as ``UnsafePathError``, never followed, even if it is swapped in while the
+store works, and only regular files are ever read or written (a FIFO cannot block an open).
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -58,9 +66,19 @@ class StoreLayout:
             raise ValueError(f"namespace {namespace!r}: must be a plain directory name")
         base = os.path.join(os.path.realpath(root), namespace)
         layout = cls(base)
+        if make:
+            os.makedirs(os.path.dirname(base), exist_ok=True)
+            try:
+                os.mkdir(base)
+            except FileExistsError:
+                pass
+        layout.open_dir(base).close()  # the namespace must be a real directory
         for sub in (layout.objects_dir, layout.manifests_dir, layout.staging_dir,
                     layout.pins_dir, layout.locks_dir) if make else ():
-            os.makedirs(sub, exist_ok=True)
+            try:
+                layout.make_dir(sub)
+            except UnsafePathError:
+                pass  # a link or a file in its place: never used; verify lists it
         return layout
 
     @property
@@ -102,22 +120,180 @@ class StoreLayout:
             raise UnsafePathError(f"entry id {entry_id!r} is not a 40-hex-char id")
         return os.path.join(self.identity_dir(identity_digest), entry_id + MANIFEST_SUFFIX)
 
-    def check_inside(self, path: str) -> None:
-        """Refuse a path whose parent directories resolve outside the store (symlinked dirs)."""
-        parent = os.path.realpath(os.path.dirname(path))
-        if parent != self.base and not parent.startswith(self.base + os.sep):
-            raise UnsafePathError(f"{path}: resolves outside the store root {self.base}")
+    # ------------------------------------------------------------------ file operations
+    # Each one walks from ``base`` without following links (see the module docstring).
+
+    def _parts(self, path: str) -> list[str]:
+        prefix = self.base + os.sep
+        parts = path[len(prefix):].split(os.sep) if path.startswith(prefix) else [".."]
+        if any(part in ("", ".", "..") for part in parts):
+            raise UnsafePathError(f"{path}: not a path inside the store {self.base}")
+        return parts
+
+    @contextmanager
+    def _parent(self, path: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """(descriptor of ``path``'s directory, its last name); with ``create`` the missing
+        directories on the way are made."""
+        parts = self._parts(path)
+        fd = _open_base(self.base)
+        try:
+            for part in parts[:-1]:
+                nxt = _open_subdir(fd, part, path, create)
+                os.close(fd)
+                fd = nxt
+            yield fd, parts[-1]
+        finally:
+            os.close(fd)
+
+    def open_dir(self, path: str) -> "DirHandle":
+        """A descriptor of the directory ``path`` (the store directory itself included)."""
+        if path == self.base:
+            return DirHandle(_open_base(self.base))
+        with self._parent(path) as (fd, name):
+            return DirHandle(_open_subdir(fd, name, path, False))
+
+    def make_dir(self, path: str) -> bool:
+        """Make the directory ``path`` (and any missing one above it, inside the root); True
+        when it was made. An existing non-directory there is ``UnsafePathError``."""
+        with self._parent(path, create=True) as (fd, name):
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+                return True
+            except FileExistsError:
+                os.close(_open_subdir(fd, name, path, False))  # a directory, not a link or file
+                return False
+
+    def listdir(self, path: str) -> list[str]:
+        """Names in the directory ``path``; [] when it does not exist."""
+        try:
+            with self.open_dir(path) as d:
+                return os.listdir(d.fd)
+        except FileNotFoundError:
+            return []
+
+    def scandir_files(self, path: str) -> list[tuple[str, os.stat_result]]:
+        """(name, lstat) of every entry of the directory ``path``; [] when it is absent."""
+        try:
+            with self.open_dir(path) as d:
+                out = []
+                for name in os.listdir(d.fd):
+                    try:
+                        out.append((name, os.stat(name, dir_fd=d.fd, follow_symlinks=False)))
+                    except FileNotFoundError:
+                        continue
+                return out
+        except FileNotFoundError:
+            return []
+
+    def lstat(self, path: str) -> os.stat_result:
+        with self._parent(path) as (fd, name):
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+
+    def open_file(self, path: str, flags: int, mode: int = 0o644, *, create_dirs: bool = False) -> int:
+        """An fd of the regular file ``path``: never through a link, never blocking on a
+        FIFO; anything but a regular file is ``UnsafePathError``."""
+        with self._parent(path, create=create_dirs) as (dfd, name):
+            try:
+                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode,
+                             dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                    raise UnsafePathError(f"{path}: {_KIND_WORDS.get(exc.errno)}; the store "
+                                          "opens only regular files, never through a link") from None
+                raise
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafePathError(f"{path}: not a regular file (a {_kind(st.st_mode)}); the "
+                                  "store opens only regular files")
+        return fd
+
+    def unlink(self, path: str) -> bool:
+        """Remove the file (or link) ``path`` itself; False when it was already gone."""
+        try:
+            with self._parent(path) as (fd, name):
+                os.unlink(name, dir_fd=fd)
+                return True
+        except FileNotFoundError:
+            return False
+
+    def rename(self, src: str, dst: str, *, create_dirs: bool = False) -> None:
+        """Rename inside the root; with ``create_dirs`` the destination's directories are made."""
+        with self._parent(src) as (sfd, sname), self._parent(dst, create=create_dirs) as (dfd, dname):
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+
+    def touch(self, path: str, when: float) -> None:
+        """Set ``path``'s access and modification times (never through a link)."""
+        with self._parent(path) as (fd, name):
+            os.utime(name, (when, when), dir_fd=fd, follow_symlinks=False)
+
+    def fsync_dir(self, path: str) -> None:
+        with self.open_dir(path) as d:
+            os.fsync(d.fd)
 
 
-def open_nofollow(path: str) -> int:
-    """Open a regular file for reading without following a symlink as the last component."""
+class DirHandle:
+    """An open directory descriptor (a context manager that closes it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> "DirHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_KIND_WORDS = {errno.ELOOP: "is a symbolic link", errno.EISDIR: "is a directory",
+               errno.ENXIO: "is a FIFO or socket with no peer"}
+
+
+def _kind(mode: int) -> str:
+    for test, word in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return word
+    return "special file"
+
+
+def _open_base(base: str) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return os.open(base, _DIR_FLAGS)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path}: is a symlink; the store never follows symlinks") from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePathError(f"{base}: the store directory is a symbolic link or not a "
+                                  "directory; point SPARKCACHE_ROOT at the real directory") from None
         raise
-    return fd
+
+
+def _open_subdir(fd: int, name: str, path: str, create: bool) -> int:
+    for attempt in (0, 1):
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if not create or attempt:
+                raise
+            try:
+                os.mkdir(name, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafePathError(f"{path}: {name!r} on the way is a symbolic link or not a "
+                                      "directory; the store never follows links: remove it "
+                                      "(sparkcache verify lists such files)") from None
+            raise
+    raise AssertionError("unreachable")
 
 
 _POOLS: dict = {}
@@ -214,14 +390,6 @@ def wait_writeback(fd: int) -> None:
         fn(fd, 0, 0, 7)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 WRITE_CHUNK = 1 << 20  # bytes per write(2) call
 
 
@@ -236,28 +404,6 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view[:WRITE_CHUNK]):]
-
-
-def write_file_durably(tmp_path: str, final_path: str, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``tmp_path``, fsync it and rename it onto ``final_path``.
-
-    The caller fsyncs ``final_path``'s directory (once for a batch of renames).
-    On any error the temp file is removed and the error propagates.
-    """
-    fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            write_all(fd, data)
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp_path, final_path)
-    except BaseException:
-        try:
-            os.unlink(tmp_path)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def allocated(size: int, unit: int) -> int:

@@ -3,48 +3,74 @@
 Shared holders: publishers claiming objects, readers taking pins. Exclusive holder: the
 collector while it evicts manifests and deletes objects. Each use opens its own file
 description, so the lock also separates threads of one process.
+
+Every wait is bounded: the lock is polled without blocking, and a holder that never lets
+go (a process stopped with SIGSTOP, a hung NFS client) makes the caller give up with
+``LockTimeout`` after its time budget instead of hanging the server.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import time
 from contextlib import contextmanager
 from typing import Iterator
 
+from .layout import StoreLayout
 
-@contextmanager
-def shared_lock(path: str) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
+log = logging.getLogger("sparkcache.store")
+
+# The longest waits for the shared lock (a maintenance pass holds the exclusive one for
+# its budget, 100 ms by default, plus a slow fsync): a publication runs on a background
+# thread and may wait longer than a leased lookup, which the scheduler waits on.
+PUBLISH_WAIT_S = 10.0
+PIN_WAIT_S = 2.0
 
 
 class LockTimeout(TimeoutError):
     pass
 
 
-@contextmanager
-def exclusive_lock(path: str, timeout_s: float) -> Iterator[None]:
-    """Exclusive lock, polled without blocking so a caller's time budget holds.
+def flock_within(fd: int, operation: int, timeout_s: float, what: str) -> None:
+    """``flock(fd, operation)``, polled, giving up with ``LockTimeout`` after ``timeout_s``."""
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    pause = 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LockTimeout(f"{what}: held by another process for more than {timeout_s:g} s "
+                                  "(a stopped or hung sparkcache process? find it with "
+                                  f"`fuser {what}`)") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
-    Raises ``LockTimeout`` if it cannot be had within ``timeout_s``.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+@contextmanager
+def _locked(layout: StoreLayout, operation: int, timeout_s: float) -> Iterator[None]:
+    path = layout.gc_lock_path
+    fd = layout.open_file(path, os.O_RDWR | os.O_CREAT)
     try:
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LockTimeout(f"{path}: held by another process") from None
-                time.sleep(0.0005)
+        try:
+            flock_within(fd, operation, timeout_s, path)
+        except LockTimeout as exc:
+            if timeout_s > 0:
+                log.warning("sparkcache: gave up waiting for the store lock: %s", exc)
+            raise
         yield
     finally:
-        os.close(fd)
+        os.close(fd)  # closing releases the lock
+
+
+def shared_lock(layout: StoreLayout, timeout_s: float):
+    """The shared lock, within ``timeout_s`` (``LockTimeout`` after that)."""
+    return _locked(layout, fcntl.LOCK_SH, timeout_s)
+
+
+def exclusive_lock(layout: StoreLayout, timeout_s: float):
+    """The exclusive lock, within ``timeout_s`` (``LockTimeout`` after that)."""
+    return _locked(layout, fcntl.LOCK_EX, timeout_s)

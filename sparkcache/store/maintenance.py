@@ -22,19 +22,21 @@ A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .layout import allocated, fsync_dir, parallel_map, sync_all
+from .layout import UnsafePathError, allocated, is_identity_digest, parallel_map, sync_all
 from .locks import LockTimeout, exclusive_lock
 from .pacing import PassClock, runqueue_wait_s
 from .pins import live_pins
 from .results import CapacitySnapshot
 
 _SHARDS = [f"{i:02x}" for i in range(256)]
+log = logging.getLogger("sparkcache.store")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class PassReport:
     pinned_skipped: int
     remaining_entries: int
     deferred_objects: int  # objects of evicted entries left for the next pass (time budget)
-    stopped_by: str  # done | entries | bytes | time | lock
+    stopped_by: str  # done | entries | bytes | time | lock | error
     used_bytes_before: int
     used_bytes_after: int
     max_bytes: int
@@ -112,7 +114,7 @@ def run_pass(store: Any, budget: PassBudget, *, sweep_shards: int = 16,
     fsync_s = lock_wait_s = plan_s = 0.0
     stopped_by = "done"
     try:
-        with exclusive_lock(store.layout.gc_lock_path, timeout_s=clock.lock_timeout()):
+        with exclusive_lock(store.layout, timeout_s=clock.lock_timeout()):
             lock_wait_s = time.monotonic() - clock.start
             plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, started_wall))
             plan_s = time.monotonic() - clock.start - lock_wait_s
@@ -155,6 +157,9 @@ def run_pass(store: Any, budget: PassBudget, *, sweep_shards: int = 16,
                     stopped_by = "time"
     except LockTimeout:
         stopped_by = "lock"
+    except (OSError, UnsafePathError) as exc:  # a failing disk: this pass stops, the next tries
+        stopped_by = "error"
+        log.warning("sparkcache: maintenance pass stopped: %s", exc)
     clock.finish()
     with store._mutex:
         used_after = index.used_bytes
@@ -188,7 +193,7 @@ def _locked_plan(store: Any, now: float) -> tuple[_Plan, int, int]:
     protected = store.locked_view_refresh()
     with store._mutex:
         store.index.refresh_recency()
-        pinned = live_pins(store.layout.pins_dir, now, remove_expired=True)
+        pinned = live_pins(store.layout, store.lease_seconds, now, remove_expired=True)
         used_before = store.index.used_bytes
         if used_before > store.max_bytes:
             store.draining = True  # evict down to the low watermark, over several passes
@@ -305,10 +310,10 @@ def _sweep(store: Any, protected: set[str], clock: PassClock,
     if store.unsynced_dirs or not clock.fits("fsync"):
         return 0, 0, 0, 0.0
     # Another process's manifest unlinks must be durable before their objects go.
-    dirs = [os.path.join(store.layout.manifests_dir, d) for d in os.listdir(store.layout.manifests_dir)]
+    dirs = [store.layout.identity_dir(d) for d in store.layout.listdir(store.layout.manifests_dir)
+            if is_identity_digest(d)]
     t0 = time.monotonic()
-    clock.run("fsync", lambda: sync_all(fsync_dir, [d for d in dirs if os.path.isdir(d)],
-                                        "maintenance"))
+    clock.run("fsync", lambda: sync_all(store.fsync_dir_if_safe, dirs, "maintenance"))
     fsync_s = time.monotonic() - t0
     for _ in range(n_shards):
         if not clock.fits("shard"):
@@ -326,17 +331,15 @@ def _sweep_shard(store: Any, shard: str, protected: set[str]) -> list[int]:
     garbage = [(digest, size) for digest, size in store.objects.iter_shard(shard)
                if digest not in store.index.refcount and digest not in protected
                and digest not in store.index.deferred]
-    paths = [os.path.join(store.layout.objects_dir, shard, digest[2:]) for digest, _ in garbage]
-    done = parallel_map(_unlink_counted, paths, "maintenance")
+    done = parallel_map(lambda item: _unlink_counted(store, item[0]), garbage, "maintenance")
     return [size for (_, size), ok in zip(garbage, done) if ok]
 
 
-def _unlink_counted(path: str) -> bool:
+def _unlink_counted(store: Any, digest: str) -> bool:
     try:
-        os.unlink(path)
-        return True
-    except (FileNotFoundError, IsADirectoryError):
-        return False
+        return store.layout.unlink(store.layout.object_path(digest))
+    except (OSError, UnsafePathError):
+        return False  # a shard swapped for a link meanwhile: never followed
 
 
 def pass_due(store: Any, now: float | None = None) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ from .layout import is_entry_id, is_object_digest
 
 MAGIC = b"SPKM1 "
 FORMAT = 2  # 2: page objects named by BLAKE3 (1, never released: sha256)
+# 1M tokens in 16-token blocks is 62,500 keys of ~70 bytes: 4.4 MB. Larger is not ours.
+MAX_MANIFEST_BYTES = 64 << 20
+_MAX_NESTING = 16  # the body is four levels deep; deeper JSON is refused before parsing
 
 
 class ManifestError(ValueError):
@@ -92,13 +96,38 @@ def decode(data: bytes, *, expected_entry_id: str | None = None,
     body = data[header_len:]
     if hashlib.sha256(body).hexdigest().encode() != data[len(MAGIC):header_len - 1]:
         raise ManifestError("corrupt", "body does not match its checksum")
+    if _nesting(body) > _MAX_NESTING:
+        raise ManifestError("corrupt", f"JSON nested deeper than {_MAX_NESTING} levels")
     try:
-        raw = json.loads(body)
+        raw = json.loads(body, parse_constant=_refuse_constant)
+        if not isinstance(raw, dict):
+            raise ManifestError("corrupt", f"body is a JSON {type(raw).__name__}, not an object")
         return _from_fields(raw, expected_entry_id, expected_identity_digest)
     except ManifestError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ManifestError("corrupt", f"bad field: {exc}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise ManifestError("corrupt", f"bad field: {type(exc).__name__}: {exc}") from None
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+def _nesting(body: bytes) -> int:
+    """Deepest bracket nesting of a JSON text (brackets inside strings count too: an upper
+    bound, which is what a guard needs)."""
+    depth = deepest = 0
+    for byte in body.translate(None, _NOT_BRACKETS):
+        depth += 1 if byte in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
@@ -107,32 +136,39 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
         raise ManifestError("corrupt", f"format {raw.get('format')!r}, this sparkcache reads format "
                             f"{FORMAT} (pages named by BLAKE3): delete the manifest or start a new "
                             "SPARKCACHE_NAMESPACE")
+    if not isinstance(raw.get("identity"), dict):
+        raise ManifestError("corrupt", "identity must be a JSON object")
     identity = Identity.from_dict(raw["identity"])
-    keys = tuple(raw["block_keys"])
-    if not keys or not all(isinstance(k, str) and k for k in keys):
+    keys = raw.get("block_keys")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
         raise ManifestError("corrupt", "block_keys must be a non-empty list of strings")
-    bpp = raw["blocks_per_page"]
-    if not isinstance(bpp, int) or bpp <= 0:
+    keys = tuple(keys)
+    bpp = raw.get("blocks_per_page")
+    if not _is_count(bpp) or bpp == 0:
         raise ManifestError("corrupt", f"blocks_per_page {bpp!r}")
+    if not isinstance(raw.get("pages"), list):
+        raise ManifestError("corrupt", "pages must be a list of [name, size]")
     pages = []
     for item in raw["pages"]:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ManifestError("corrupt", f"page {item!r:.80} is not [name, size]")
         digest, size = item
         if not is_object_digest(digest):
-            raise ManifestError("unsafe_path", f"page name {digest!r} is not a BLAKE3 digest "
+            raise ManifestError("unsafe_path", f"page name {digest!r:.80} is not a BLAKE3 digest "
                                 "(paths, '..' and absolute names are refused)")
-        if not isinstance(size, int) or size < 0:
-            raise ManifestError("corrupt", f"page size {size!r}")
+        if not _is_count(size):
+            raise ManifestError("corrupt", f"page size {size!r:.40}")
         pages.append(PageRef(digest, size))
     if len(pages) != pages_needed(len(keys), bpp):
         raise ManifestError("corrupt", f"{len(pages)} pages for {len(keys)} blocks at {bpp}/page")
-    entry_id = raw["entry_id"]
+    entry_id = raw.get("entry_id")
     if not is_entry_id(entry_id) or entry_id != entry_id_for(identity.digest(), keys[-1]):
         raise ManifestError("corrupt", f"entry id {entry_id!r} does not match identity and blocks")
     if expected_entry_id is not None and entry_id != expected_entry_id:
         raise ManifestError("corrupt", f"file named {expected_entry_id} holds entry {entry_id}")
     if expected_identity_digest is not None and identity.digest() != expected_identity_digest:
         raise ManifestError("corrupt", "identity does not match its directory")
-    created = raw["created_at"]
-    if not isinstance(created, (int, float)):
-        raise ManifestError("corrupt", f"created_at {created!r}")
+    created = raw.get("created_at")
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise ManifestError("corrupt", f"created_at {created!r:.40}")
     return Manifest(entry_id, identity, keys, bpp, tuple(pages), float(created))

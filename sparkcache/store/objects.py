@@ -10,24 +10,24 @@ symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import stat
 
 import blake3
 
-from .layout import (StoreLayout, UnsafePathError, open_nofollow, parallel_map, start_writeback, sync_all,
-                     write_all)
+from .layout import StoreLayout, UnsafePathError, parallel_map, start_writeback, sync_all, write_all
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
 ABSENT = "absent"
 CORRUPT = "corrupt"
+UNREADABLE = "io_error"  # EIO, EACCES: the file may be fine, it cannot be read now
 
 
 class ObjectError(Exception):
-    """A page object failed verification. ``reason`` is ``absent`` or ``corrupt``."""
+    """A page object failed verification. ``reason`` is ``absent``, ``corrupt`` or
+    ``io_error`` (it could not be read: EIO, EACCES)."""
 
     def __init__(self, reason: str, digest: str, detail: str) -> None:
         super().__init__(f"object {digest}: {reason}: {detail}")
@@ -51,13 +51,13 @@ class ObjectStore:
     def check_present(self, digest: str, size: int) -> None:
         """Cheap check (no read): exists, regular, not a symlink, recorded size."""
         try:
-            path = self.path(digest)
-            self.layout.check_inside(path)
-            st = os.lstat(path)
+            st = self.layout.lstat(self.path(digest))
         except UnsafePathError as exc:
             raise ObjectError(CORRUPT, digest, str(exc)) from None
         except FileNotFoundError:
             raise ObjectError(ABSENT, digest, "missing") from None
+        except OSError as exc:
+            raise ObjectError(UNREADABLE, digest, str(exc)) from None
         _check_stat(digest, st, size)
 
     def read_verified(self, digest: str, size: int) -> bytes:
@@ -73,7 +73,10 @@ class ObjectStore:
         chunks = []
         got = 0
         while got < size:
-            chunk = os.read(fd, size - got)
+            try:
+                chunk = os.read(fd, size - got)
+            except OSError as exc:
+                raise ObjectError(UNREADABLE, digest, f"read failed at {got}/{size}: {exc}") from None
             if not chunk:
                 raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
             chunks.append(chunk)
@@ -129,13 +132,13 @@ class ObjectStore:
     def _open_checked(self, digest: str, size: int) -> int:
         """An fd of the object, opened without following links, with its size checked."""
         try:
-            path = self.path(digest)
-            self.layout.check_inside(path)
-            fd = open_nofollow(path)
+            fd = self.layout.open_file(self.path(digest), os.O_RDONLY)
         except UnsafePathError as exc:
             raise ObjectError(CORRUPT, digest, str(exc)) from None
         except FileNotFoundError:
             raise ObjectError(ABSENT, digest, "missing") from None
+        except OSError as exc:
+            raise ObjectError(UNREADABLE, digest, str(exc)) from None
         try:
             _check_stat(digest, os.fstat(fd), size)
         except ObjectError:
@@ -171,8 +174,11 @@ class ObjectStore:
                           parallel=len(refs) > _SERIAL_CHECK_PAGES)
 
     def exists_with_size(self, digest: str, size: int) -> bool:
+        """Whether a regular file of ``size`` bytes holds ``digest`` (not re-hashed). A link
+        or wrong file kind there is ``UnsafePathError`` on a shard that is one, else False,
+        and the publisher's rename replaces it."""
         try:
-            st = os.lstat(self.path(digest))
+            st = self.layout.lstat(self.path(digest))
         except FileNotFoundError:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == size
@@ -189,7 +195,7 @@ class ObjectStore:
         fds: list[int] = []
         try:
             for _, data, tmp_path in items:
-                fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                fd = self.layout.open_file(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
                 fds.append(fd)
                 write_all(fd, data)
                 start_writeback(fd)  # the disk works while we write the next object
@@ -205,25 +211,21 @@ class ObjectStore:
         shards: set[str] = set()
         for digest, tmp_path in synced:
             final = self.path(digest)
-            shard = os.path.dirname(final)
-            if shard not in shards:
-                try:
-                    os.mkdir(shard)
-                except FileExistsError:
-                    pass
-                shards.add(shard)
-            os.rename(tmp_path, final)
+            self.layout.rename(tmp_path, final, create_dirs=True)
+            shards.add(os.path.dirname(final))
         return shards
 
     def remove(self, digest: str) -> int:
         """Delete an object; returns the bytes it had (0 if it was already gone)."""
         path = self.path(digest)
         try:
-            size = os.lstat(path).st_size
-            os.unlink(path)
+            size = self.layout.lstat(path).st_size
+            self.layout.unlink(path)
             return size
         except FileNotFoundError:
             return 0
+        except (OSError, UnsafePathError):
+            return 0  # a directory or an unsafe shard: left in place, verify reports it
 
     def discard_corrupt(self, digest: str, size: int) -> bool:
         """Remove an object that fails verification as ``corrupt`` (wrong bytes or size, a
@@ -239,30 +241,20 @@ class ObjectStore:
                 return False
         path = self.path(digest)
         try:
-            self.layout.check_inside(path)
-            if not stat.S_ISREG(os.lstat(path).st_mode) and not os.path.islink(path):
+            mode = self.layout.lstat(path).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
                 return False
-            os.unlink(path)  # a link itself, never what it points to
+            return self.layout.unlink(path)  # a link itself, never what it points to
         except (UnsafePathError, OSError):
             return False
-        return True
 
     def iter_shard(self, shard: str) -> list[tuple[str, int]]:
-        """(digest, size) of the files in one shard directory (``"ab"``)."""
-        out: list[tuple[str, int]] = []
+        """(digest, size) of the regular files in one shard directory (``"ab"``)."""
         try:
-            with os.scandir(os.path.join(self.layout.objects_dir, shard)) as it:
-                for entry in it:
-                    try:
-                        out.append((shard + entry.name, entry.stat(follow_symlinks=False).st_size))
-                    except FileNotFoundError:
-                        continue
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.ENOTDIR:
-                raise
-        return out
+            found = self.layout.scandir_files(os.path.join(self.layout.objects_dir, shard))
+        except (OSError, UnsafePathError):
+            return []  # a link or a file in place of the shard: verify reports it
+        return [(shard + name, st.st_size) for name, st in found if stat.S_ISREG(st.st_mode)]
 
 
 _SERIAL_CHECK_PAGES = 8  # check_many_present: up to this many pages on the calling thread

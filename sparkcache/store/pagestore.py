@@ -11,7 +11,6 @@ Several processes may share one root; the cross-process rules live in ``locks``,
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 import time
@@ -19,16 +18,16 @@ from typing import Any, Sequence
 
 from .identity import BlockHash, Identity, block_keys, entry_id_for
 from .index import EntryIndex, IndexedEntry
-from .layout import StoreLayout, allocated, fsync_dir, parallel_map, sync_all
-from .locks import LockTimeout, exclusive_lock, shared_lock
+from .layout import StoreLayout, UnsafePathError, allocated, parallel_map, sync_all
+from .locks import PIN_WAIT_S, exclusive_lock, shared_lock
 from .manifests import Manifest, PageRef, encode, pages_needed
 from .objects import ObjectError, ObjectStore
 from .pacing import UnitCosts
 from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
-from .results import (ABSENT, BASE_ABSENT, HIT, IO_ERROR, NO_SPACE, NOT_FOUND, OVER_CAPACITY,
-                      PUBLISHED, CapacitySnapshot, EntryHandle, LookupResult, PublishResult,
-                      ReadResult, RecoveryReport)
+from .results import (ABSENT, BASE_ABSENT, HIT, NOT_FOUND, OVER_CAPACITY, PUBLISHED,
+                      CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
+                      RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
 
 
@@ -81,7 +80,7 @@ class PageStore:
         Incomplete publications are invisible by construction (no manifest was renamed);
         the objects they wrote are collected by maintenance's orphan sweep.
         """
-        _, cleaned = read_live_intents(self.layout.staging_dir)
+        _, cleaned = read_live_intents(self.layout)
         with self._mutex:
             self.index.refresh(force=True)
             report = RecoveryReport(cleaned, len(self.index.entries), len(self.index.bad))
@@ -124,7 +123,7 @@ class PageStore:
                 reused_refs = self._resolve_missing_pages(idd, keys, bpp, pages)
             except LookupError as exc:
                 return self._failed(BASE_ABSENT, started, entry_id, str(exc))
-        staging = Staging(self.layout.staging_dir)
+        staging = Staging(self.layout)
         writer = PublicationWriter(self, staging)
         try:
             staging.open()
@@ -135,11 +134,9 @@ class PageStore:
                           lambda: self._make_identity_dir(idd))
         except BaseObjectGone as exc:
             return self._failed(BASE_ABSENT, started, entry_id, str(exc))
-        except OSError as exc:
-            reason = NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT) else IO_ERROR
-            fix = ("free space on the filesystem holding the store, or set SPARKCACHE_MAX_BYTES "
-                   "below its free space" if reason == NO_SPACE else "check the store directory")
-            return self._failed(reason, started, entry_id, f"{exc}; {fix}")
+        except (OSError, UnsafePathError) as exc:  # LockTimeout is an OSError too
+            reason, detail = os_failure(exc)
+            return self._failed(reason, started, entry_id, detail)
         finally:
             writer.close()
             staging.close()
@@ -175,11 +172,9 @@ class PageStore:
     def _make_identity_dir(self, idd: str) -> list[str]:
         """Create the identity's manifest directory if needed; returns the directories to
         fsync before a manifest is renamed into it (its parent, when it is new)."""
-        idir = self.layout.identity_dir(idd)
-        if os.path.isdir(idir):
-            return []
-        os.makedirs(idir, exist_ok=True)
-        return [self.layout.manifests_dir]
+        if self.layout.make_dir(self.layout.identity_dir(idd)):
+            return [self.layout.manifests_dir]
+        return []
 
     def _supersede_shorter(self, idd: str, keys: list[str]) -> tuple[str, ...]:
         """Evict entries that the new one extends (their blocks are all in it), unless pinned.
@@ -189,13 +184,13 @@ class PageStore:
         if not shorter:
             return ()
         try:
-            with exclusive_lock(self.layout.gc_lock_path, timeout_s=0.0):
+            with exclusive_lock(self.layout, timeout_s=0.0):
                 protected = self.locked_view_refresh()
-                pinned = live_pins(self.layout.pins_dir)
+                pinned = live_pins(self.layout, self.lease_seconds)
                 done = tuple(e for e in shorter if e not in pinned and e in self.index.entries)
                 self.evict_locked(done, protected)
                 return done
-        except LockTimeout:
+        except (OSError, UnsafePathError):  # held by another (LockTimeout), or a bad disk
             return ()
 
     def _failed(self, reason: str, started: float, entry_id: str, detail: str) -> PublishResult:
@@ -218,6 +213,13 @@ class PageStore:
         """
         keys = block_keys(block_hashes)
         idd = identity.digest()
+        try:
+            return self._lookup(idd, keys, lease, verify)
+        except (OSError, UnsafePathError) as exc:  # a full, read-only or failing disk; a lock
+            reason, detail = os_failure(exc)       # held past its bound: a miss, never a raise
+            return self._miss(reason, None, detail)
+
+    def _lookup(self, idd: str, keys: list[str], lease: bool, verify: bool) -> LookupResult:
         with self._mutex:
             self.index.refresh()
             entry, depth = self.index.longest_match(idd, keys)
@@ -242,11 +244,21 @@ class PageStore:
             if lease_id is None:
                 return self._miss(ABSENT, entry.entry_id, "entry was evicted during the lookup")
         if not self.read_only:
-            _touch(entry)
+            self._touch(entry)
         result = LookupResult(depth, entry.entry_id, HIT, "", handle, lease_id)
         if self.metrics is not None:
             self.metrics.on_lookup(result)
         return result
+
+    def _touch(self, entry: IndexedEntry) -> None:
+        """Record an access (LRU) in the manifest's mtime, visible to every process; best
+        effort (a read-only or full disk keeps the old time)."""
+        now = time.time()
+        try:
+            self.layout.touch(entry.path, now)
+            entry.last_access = now
+        except (OSError, UnsafePathError):
+            pass
 
     def _refused_deeper_manifest(self, idd: str, keys: list[str], depth: int):
         if not any(b.identity_digest == idd for b in self.index.bad.values()):
@@ -291,21 +303,24 @@ class PageStore:
     # ------------------------------------------------------------------ pins
 
     def pin(self, entry_id: str, identity_digest: str | None = None) -> str | None:
-        """Pin an entry for ``lease_seconds``; None if it no longer exists."""
+        """Pin an entry for ``lease_seconds``; None if it no longer exists. Raises
+        ``LockTimeout`` or the filesystem's error (``lookup`` turns them into misses)."""
         with self._mutex:
             entry = self.index.entries.get(entry_id)
         if entry is None:
             return None
-        with shared_lock(self.layout.gc_lock_path):
-            lease_id = create_pin(self.layout.pins_dir, entry_id, self.lease_seconds)
-            if not os.path.exists(entry.path):
-                release_pin(self.layout.pins_dir, lease_id)
+        with shared_lock(self.layout, PIN_WAIT_S):
+            lease_id = create_pin(self.layout, entry_id, self.lease_seconds)
+            try:
+                self.layout.lstat(entry.path)
+            except FileNotFoundError:
+                release_pin(self.layout, lease_id)
                 return None
         return lease_id
 
     def release(self, lease_id: str | None) -> None:
         if lease_id:
-            release_pin(self.layout.pins_dir, lease_id)
+            release_pin(self.layout, lease_id)
 
     # ------------------------------------------------------------------ eviction primitive
 
@@ -320,7 +335,7 @@ class PageStore:
             if path is not None:
                 reclaimed += nbytes
                 freed.update(digests)
-                _unlink_quietly(path)
+                self._unlink_quietly(path)
         self.sync_dropped_locked()
         deleted, _ = self.delete_deferred_locked(protected, only=freed)
         return reclaimed + deleted
@@ -346,21 +361,34 @@ class PageStore:
             if entry is None:
                 return None, 0, []
             self.unsynced_dirs.add(os.path.dirname(entry.path))
-            sizes = {p.digest: p.size for p in entry.manifest.pages}
+            sizes = {p.digest: self.index.object_size.get(p.digest, 0) for p in entry.unique_pages}
             freed = self.index.remove(entry_id)
             for digest in freed:
                 self.index.deferred[digest] = sizes[digest]
             return entry.path, allocated(entry.manifest_bytes, self.index.alloc_unit), freed
 
-    @staticmethod
-    def unlink_paths(paths: list[str], clock: Any = None) -> None:
+    def unlink_paths(self, paths: list[str], clock: Any = None) -> None:
         """Unlink files in parallel. An unlink that frees data blocks can wait on the device
         (ext4 with online discard issues the discard inside the unlink and waits for it,
         queued behind pending writes); parallel unlinks share that wait."""
         if not paths:
             return
-        work = lambda: parallel_map(_unlink_quietly, paths, "maintenance")  # noqa: E731
+        work = lambda: parallel_map(self._unlink_quietly, paths, "maintenance")  # noqa: E731
         clock.run("unlink_batch", work) if clock is not None else work()
+
+    def _unlink_quietly(self, path: str) -> None:
+        try:
+            self.layout.unlink(path)
+        except (OSError, UnsafePathError):
+            pass  # a directory, or a link on the way: never followed; verify reports it
+
+    def fsync_dir_if_safe(self, path: str) -> None:
+        """fsync a store directory; one that is gone or not a real directory any more
+        holds nothing to make durable."""
+        try:
+            self.layout.fsync_dir(path)
+        except (FileNotFoundError, UnsafePathError):
+            pass
 
     def sync_dropped_locked(self, clock: Any = None) -> float:
         """fsync the directories of dropped manifests, so no crash can bring one back after
@@ -370,7 +398,7 @@ class PageStore:
         if not dirs:
             return 0.0
         t0 = time.monotonic()
-        work = lambda: sync_all(fsync_dir, dirs, "maintenance")  # noqa: E731
+        work = lambda: sync_all(self.fsync_dir_if_safe, dirs, "maintenance")  # noqa: E731
         clock.run("fsync", work) if clock is not None else work()
         with self._mutex:
             self.unsynced_dirs.difference_update(dirs)
@@ -406,7 +434,7 @@ class PageStore:
     def locked_view_refresh(self) -> set[str]:
         """Under the exclusive gc lock: digests of live publications, then a full re-list of
         the manifests (in that order, so an entry published meanwhile is seen by one of them)."""
-        protected, _ = read_live_intents(self.layout.staging_dir)
+        protected, _ = read_live_intents(self.layout)
         with self._mutex:
             self.index.refresh(force=True)
         return protected
@@ -429,25 +457,11 @@ class PageStore:
             self.metrics.on_capacity(self.capacity())
 
 
-_WRITE_BATCH = 64  # objects written, then synced together
 _UNLINK_BATCH = 16  # files a maintenance unit unlinks in parallel (the maintenance pool size)
+
+
 def _handle_of(entry: IndexedEntry) -> EntryHandle:
     m = entry.manifest
     return EntryHandle(m.entry_id, m.identity_digest, m.block_count, m.blocks_per_page, m.pages)
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _touch(entry: IndexedEntry) -> None:
-    """Record an access (LRU) in the manifest's mtime, visible to every process."""
-    now = time.time()
-    try:
-        os.utime(entry.path, (now, now), follow_symlinks=False)
-        entry.last_access = now
-    except FileNotFoundError:
-        pass

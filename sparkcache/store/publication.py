@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterator, Sequence
 
-from .layout import fsync_dir, parallel_imap, start_writeback, sync_all, wait_writeback, write_all
-from .locks import shared_lock
+from .layout import parallel_imap, start_writeback, sync_all, wait_writeback, write_all
+from .locks import PUBLISH_WAIT_S, shared_lock
 from .manifests import PageRef
 from .objects import digest_of
 from .staging import Staging
@@ -74,12 +74,13 @@ class PublicationWriter:
                make_identity_dir: Callable[[], list[str]]) -> None:
         """Steps 2-4: the manifest's temp file joins the objects' last fdatasync round; it is
         renamed into place only after the objects' renames are durable."""
-        fd = os.open(manifest_temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        write_all(fd, manifest_bytes)
+        layout = self.store.layout
+        fd = layout.open_file(manifest_temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self._open.append((fd, "", manifest_temp))
+        write_all(fd, manifest_bytes)
         self._sync_round(extra_dirs=make_identity_dir())
-        os.rename(manifest_temp, manifest_final)
-        fsync_dir(os.path.dirname(manifest_final))
+        layout.rename(manifest_temp, manifest_final)
+        layout.fsync_dir(os.path.dirname(manifest_final))
 
     def close(self) -> None:
         for fd, _, _ in self._open:
@@ -92,7 +93,7 @@ class PublicationWriter:
         if not refs:
             return
         unique = {r.digest: r for r in refs}
-        with shared_lock(self.store.layout.gc_lock_path):
+        with shared_lock(self.store.layout, PUBLISH_WAIT_S):
             self.staging.declare(unique)
             for ref in unique.values():
                 if not self.store.objects.exists_with_size(ref.digest, ref.size):
@@ -102,13 +103,13 @@ class PublicationWriter:
     def _claim(self, digest: str, size: int) -> bool:
         """Declare ``digest`` (so no collector deletes it from now on); True if it must be
         written, False if the object is already there."""
-        with shared_lock(self.store.layout.gc_lock_path):
+        with shared_lock(self.store.layout, PUBLISH_WAIT_S):
             self.staging.declare((digest,))
             return not self.store.objects.exists_with_size(digest, size)
 
     def _write_temp(self, digest: str, page: Any) -> None:
         tmp = self.staging.temp_path(digest)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = self.store.layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self._open.append((fd, digest, tmp))
         write_all(fd, page)
         start_writeback(fd)  # the disk works while the next page is hashed and copied
@@ -131,7 +132,7 @@ class PublicationWriter:
         objects = [(digest, tmp) for _, digest, tmp in items if digest]
         dirs = set(extra_dirs) | self.store.objects.place(objects)
         self.written_digests.update(digest for digest, _ in objects)
-        sync_all(fsync_dir, sorted(dirs))
+        sync_all(self.store.layout.fsync_dir, sorted(dirs))
 
 
 __all__ = ["BaseObjectGone", "PublicationWriter"]

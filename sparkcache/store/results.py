@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
+from .layout import UnsafePathError
+from .locks import LockTimeout
 from .manifests import PageRef
 
 # Lookup / read reasons.
@@ -14,10 +17,45 @@ ABSENT = "absent"
 
 # Publication reasons.
 PUBLISHED = "published"
-NO_SPACE = "no_space"
 OVER_CAPACITY = "over_capacity"
-IO_ERROR = "io_error"
 BASE_ABSENT = "base_absent"
+
+# Both: the filesystem or a stuck process stopped the operation (a lookup then misses).
+NO_SPACE = "no_space"  # ENOSPC, EDQUOT
+READ_ONLY_FS = "read_only_fs"  # EROFS
+IO_ERROR = "io_error"  # EIO, EACCES and any other OS error
+LOCK_TIMEOUT = "lock_timeout"  # the gc lock stayed held past the wait bound
+UNSAFE_PATH = "unsafe_path"  # a link or a wrong file kind where a store directory belongs
+
+PUBLISH_FAILURES = (OVER_CAPACITY, BASE_ABSENT, NO_SPACE, READ_ONLY_FS, IO_ERROR, LOCK_TIMEOUT,
+                    UNSAFE_PATH)
+LOOKUP_MISSES = (NOT_FOUND, CORRUPT, ABSENT, NO_SPACE, READ_ONLY_FS, IO_ERROR, LOCK_TIMEOUT,
+                 UNSAFE_PATH)
+
+_FIXES = {
+    NO_SPACE: "free space on the filesystem holding the store, or set SPARKCACHE_MAX_BYTES "
+              "below its free space",
+    READ_ONLY_FS: "remount the store read-write, or set SPARKCACHE_ACCESS_MODE=restore-only",
+    IO_ERROR: "check the store directory and the disk (dmesg)",
+    LOCK_TIMEOUT: "another process holds the store's lock without progress (stopped? hung "
+                  "on a disk?); find it with `fuser <root>/<namespace>/locks/gc.lock`",
+    UNSAFE_PATH: "run `sparkcache verify` and remove the links or files it lists",
+}
+
+
+def os_failure(exc: BaseException) -> tuple[str, str]:
+    """(reason, detail with the fix) for an error the filesystem or the lock raised."""
+    if isinstance(exc, LockTimeout):
+        reason = LOCK_TIMEOUT
+    elif isinstance(exc, UnsafePathError):
+        reason = UNSAFE_PATH
+    elif getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        reason = NO_SPACE
+    elif getattr(exc, "errno", None) == errno.EROFS:
+        reason = READ_ONLY_FS
+    else:
+        reason = IO_ERROR
+    return reason, f"{exc}; {_FIXES[reason]}"
 
 
 @dataclass(frozen=True)

@@ -18,46 +18,55 @@ import fcntl
 import os
 import secrets
 import shutil
+import stat
 from typing import Iterable
 
-from .layout import write_all
+from .layout import StoreLayout, UnsafePathError, is_object_digest, write_all
+from .locks import LockTimeout, flock_within
 
 INTENT_SUFFIX = ".intent"
 TEMP_SUFFIX = ".tmp"
+_MAX_INTENT_BYTES = 64 << 20  # a live intent names at most this many bytes of digests
 
 
 class Staging:
     """One publication's workspace. Use ``open`` then ``close`` (or as a context manager)."""
 
-    def __init__(self, staging_dir: str) -> None:
+    def __init__(self, layout: StoreLayout) -> None:
+        self.layout = layout
         self.token = secrets.token_hex(12)
-        self.intent_path = os.path.join(staging_dir, self.token + INTENT_SUFFIX)
         self._temps: list[str] = []
         self._fd: int | None = None
-        self._staging_dir = staging_dir
+
+    @property
+    def intent_path(self) -> str:
+        return os.path.join(self.layout.staging_dir, self.token + INTENT_SUFFIX)
 
     def open(self) -> "Staging":
         # Lock the file under a temp name first, so the collector never sees an unlocked
         # intent of a live publisher. The collector removes an unlocked ".new" file while
         # holding its lock, so finding it unlinked after our flock means: try a new name.
         for _ in range(8):
-            tmp = os.path.join(self._staging_dir, self.token + ".new")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            tmp = os.path.join(self.layout.staging_dir, self.token + ".new")
+            fd = self.layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if os.fstat(fd).st_nlink == 0:
+                try:
+                    flock_within(fd, fcntl.LOCK_EX, 1.0, tmp)
+                    locked = os.fstat(fd).st_nlink > 0
+                except LockTimeout:
+                    locked = False  # a stopped collector holds it: take another name
+                if not locked:
                     os.close(fd)
                     self.token = secrets.token_hex(12)
-                    self.intent_path = os.path.join(self._staging_dir, self.token + INTENT_SUFFIX)
                     continue
-                os.rename(tmp, self.intent_path)
+                self.layout.rename(tmp, self.intent_path)
             except BaseException:
                 os.close(fd)
-                _remove_quietly(tmp)
+                _remove_quietly(self.layout, tmp)
                 raise
             self._fd = fd
             return self
-        raise OSError(f"{self._staging_dir}: could not create a publication intent (8 tries)")
+        raise OSError(f"{self.layout.staging_dir}: could not create a publication intent (8 tries)")
 
     def declare(self, digests: Iterable[str]) -> None:
         """Record digests this publication relies on (call under the shared gc lock)."""
@@ -65,16 +74,16 @@ class Staging:
         write_all(self._fd, "".join(d + "\n" for d in digests).encode())
 
     def temp_path(self, name: str) -> str:
-        path = os.path.join(self._staging_dir, f"{self.token}-{name}{TEMP_SUFFIX}")
+        path = os.path.join(self.layout.staging_dir, f"{self.token}-{name}{TEMP_SUFFIX}")
         self._temps.append(path)
         return path
 
     def close(self) -> None:
         """Remove leftover temp files; the intent goes last, then the lock is released."""
         for path in self._temps:
-            _remove_quietly(path)  # normally already renamed into place
-        _remove_quietly(self.intent_path)
+            _remove_quietly(self.layout, path)  # normally already renamed into place
         if self._fd is not None:
+            _remove_quietly(self.layout, self.intent_path)
             os.close(self._fd)
             self._fd = None
 
@@ -85,62 +94,92 @@ class Staging:
         self.close()
 
 
-def read_live_intents(staging_dir: str) -> tuple[set[str], int]:
+def read_live_intents(layout: StoreLayout) -> tuple[set[str], int]:
     """Digests named by live publications, and how many dead ones were cleaned up.
 
     Cleans up stale workspaces as a side effect: dead intents and their temp files,
     stray ``.new`` files of publishers that died before locking, and orphan temp files.
+    A file that is not a regular file (a link, a FIFO, a directory) is never opened; a
+    link or FIFO named like a leftover is removed itself, a directory is left for
+    ``verify`` to report. Lines of a live intent that are not object names are ignored.
     """
+    staging_dir = layout.staging_dir
     protected: set[str] = set()
     cleaned = 0
     try:
-        names = os.listdir(staging_dir)
-    except FileNotFoundError:
+        names = layout.listdir(staging_dir)
+    except (OSError, UnsafePathError):
         return protected, 0
     intents = {n[: -len(INTENT_SUFFIX)] for n in names if n.endswith(INTENT_SUFFIX)}
     live: set[str] = set()
     for token in intents:
         path = os.path.join(staging_dir, token + INTENT_SUFFIX)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = layout.open_file(path, os.O_RDONLY)
         except FileNotFoundError:
             continue
+        except (OSError, UnsafePathError):
+            continue  # not an intent this store wrote: verify reports it
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 live.add(token)
-                with os.fdopen(os.dup(fd), "r") as f:
-                    protected.update(line.strip() for line in f if line.strip())
+                data = os.read(fd, _MAX_INTENT_BYTES)
+                protected.update(line for line in data.decode("ascii", "replace").split("\n")
+                                 if is_object_digest(line))
                 continue
             for name in names:  # a dead publisher: its temps first, then its intent
                 if name.startswith(token + "-") and name.endswith(TEMP_SUFFIX):
-                    _remove_quietly(os.path.join(staging_dir, name))
-            _remove_quietly(path)
+                    _remove_quietly(layout, os.path.join(staging_dir, name))
+            _remove_quietly(layout, path)
             cleaned += 1
         finally:
             os.close(fd)
     for name in names:
         full = os.path.join(staging_dir, name)
         if name.endswith(".new"):
-            cleaned += _remove_if_unlocked(full)
+            cleaned += _remove_if_unlocked(layout, full)
         elif name.endswith(TEMP_SUFFIX):
             token = name.split("-", 1)[0]
             # Temps are created after their intent and removed before it, so a temp whose
             # intent is gone (or dead, handled above) is left over from a dead publisher.
-            if token not in live and not os.path.exists(
-                    os.path.join(staging_dir, token + INTENT_SUFFIX)):
-                _remove_quietly(full)
-        elif os.path.isdir(full) and not os.path.islink(full):
-            shutil.rmtree(full, ignore_errors=True)  # nothing the store makes: stray
+            if token not in live and not _exists(layout, os.path.join(staging_dir, token + INTENT_SUFFIX)):
+                _remove_quietly(layout, full)
+    _remove_stray_dirs(layout, names)
     return protected, cleaned
 
 
-def _remove_if_unlocked(path: str) -> int:
+def _remove_stray_dirs(layout: StoreLayout, names: list[str]) -> None:
+    """Directories in staging are nothing the store makes: removed without following links
+    (``shutil.rmtree`` relative to the staging directory's descriptor)."""
+    try:
+        with layout.open_dir(layout.staging_dir) as d:
+            for name in names:
+                try:
+                    if stat.S_ISDIR(os.stat(name, dir_fd=d.fd, follow_symlinks=False).st_mode):
+                        shutil.rmtree(name, dir_fd=d.fd, ignore_errors=True)
+                except OSError:
+                    continue
+    except (OSError, UnsafePathError):
+        pass
+
+
+def _exists(layout: StoreLayout, path: str) -> bool:
+    try:
+        layout.lstat(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except (OSError, UnsafePathError):
+        return True  # something is there; keep what might be its temps
+
+
+def _remove_if_unlocked(layout: StoreLayout, path: str) -> int:
     """Unlink a ".new" file nobody holds, *while holding its lock* (see Staging.open)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = layout.open_file(path, os.O_RDONLY)
+    except (OSError, UnsafePathError):
         return 0
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -148,14 +187,14 @@ def _remove_if_unlocked(path: str) -> int:
         os.close(fd)
         return 0
     try:
-        _remove_quietly(path)
+        _remove_quietly(layout, path)
         return 1
     finally:
         os.close(fd)
 
 
-def _remove_quietly(path: str) -> None:
+def _remove_quietly(layout: StoreLayout, path: str) -> None:
     try:
-        os.unlink(path)
-    except FileNotFoundError:
+        layout.unlink(path)
+    except (OSError, UnsafePathError):
         pass

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from dataclasses import dataclass
 
 from .index import EntryIndex
-from .layout import StoreLayout
+from .layout import StoreLayout, UnsafePathError
 from .objects import ObjectError, ObjectStore
+from .pins import PIN_SUFFIX, pin_expiry
 
 
 @dataclass(frozen=True)
 class Problem:
     """One bad file and the entries it breaks."""
 
-    kind: str  # corrupt_manifest | corrupt_object | absent_object | unsafe_file
+    kind: str  # corrupt_manifest | {corrupt,absent,io_error}_object | unsafe_file | corrupt_pin
     path: str
     detail: str
     entries: tuple[str, ...]
@@ -42,6 +44,8 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
     problems: list[Problem] = []
     for bad in sorted(index.bad.values(), key=lambda b: b.path):
         problems.append(Problem("corrupt_manifest", bad.path, bad.detail, (bad.entry_id,)))
+    for path, detail in sorted(index.strays.items()):
+        problems.append(Problem("unsafe_file", path, detail, ()))
     users: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
     for entry in index.entries.values():
@@ -58,23 +62,60 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
             problems.append(Problem(f"{exc.reason}_object", objects.path(digest), exc.detail,
                                     tuple(sorted(set(users[digest])))))
     orphans = 0
-    for shard in sorted(os.listdir(layout.objects_dir)):
+    for shard, kind in _listing(layout, layout.objects_dir, problems):
         shard_path = os.path.join(layout.objects_dir, shard)
-        if os.path.islink(shard_path) or not os.path.isdir(shard_path):
-            problems.append(Problem("unsafe_file", shard_path, "not a plain shard directory "
-                                    "(symlink or file); remove it", ()))
+        if kind != "directory":
+            problems.append(Problem("unsafe_file", shard_path, f"a {kind} where a shard directory "
+                                    "belongs; the store never follows it: remove it", ()))
             continue
-        for name in sorted(os.listdir(shard_path)):
-            path = os.path.join(shard_path, name)
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
+        for name, file_kind in _listing(layout, shard_path, problems):
+            if file_kind != "file":
                 if shard + name not in users:  # referenced ones are already reported
-                    problems.append(Problem("unsafe_file", path, "not a regular file (symlink?); "
-                                            "the store never follows symlinks: remove it", ()))
+                    problems.append(Problem("unsafe_file", os.path.join(shard_path, name),
+                                            f"a {file_kind}, not a regular file; the store never "
+                                            "follows links: remove it", ()))
             elif shard + name not in users:
                 orphans += 1
+    _check_small_files(layout, problems)
     return VerifyReport(len(index.entries) + len(index.bad), checked, bytes_checked, orphans,
                         tuple(problems))
+
+
+def _check_small_files(layout: StoreLayout, problems: list[Problem]) -> None:
+    """Staging, pins and the lock: anything but a regular file (a directory where a file
+    belongs, a link, a FIFO) and pins that do not hold an expiry."""
+    for name, kind in _listing(layout, layout.staging_dir, problems):
+        if kind != "file":
+            problems.append(Problem("unsafe_file", os.path.join(layout.staging_dir, name),
+                                    f"a {kind} in staging, where the store writes only regular "
+                                    "files: remove it", ()))
+    for name, kind in _listing(layout, layout.pins_dir, problems):
+        path = os.path.join(layout.pins_dir, name)
+        if kind != "file":
+            problems.append(Problem("unsafe_file", path, f"a {kind} where pins are regular "
+                                    "files: remove it", ()))
+        elif name.endswith(PIN_SUFFIX) and pin_expiry(layout, name, 0.0, time.time()) is None:
+            problems.append(Problem("corrupt_pin", path, "does not hold an expiry time; it "
+                                    "protects nothing and maintenance removes it", ()))
+    for name, kind in _listing(layout, layout.locks_dir, problems):
+        if kind != "file":
+            problems.append(Problem("unsafe_file", os.path.join(layout.locks_dir, name),
+                                    f"a {kind} where the lock file belongs: remove it", ()))
+
+
+def _listing(layout: StoreLayout, path: str, problems: list[Problem]) -> list[tuple[str, str]]:
+    """(name, kind) of a store directory's entries, sorted; an unlistable directory (a link
+    or a file in its place, an I/O error) is a problem and lists as empty."""
+    try:
+        found = layout.scandir_files(path)
+    except (OSError, UnsafePathError) as exc:
+        problems.append(Problem("unsafe_file", path, f"cannot be listed safely: {exc}", ()))
+        return []
+    return sorted((name, _KINDS.get(stat.S_IFMT(st.st_mode), "special file")) for name, st in found)
+
+
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFLNK: "symbolic link",
+          stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket"}
 
 
 __all__ = ["Problem", "VerifyReport", "verify_store"]

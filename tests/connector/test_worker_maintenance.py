@@ -105,3 +105,41 @@ def test_restore_only_worker_runs_no_maintenance(tmp_path):
         assert "maintenance_healthy" not in worker.take_stats(time.monotonic())[1]
     finally:
         worker.close()
+
+
+def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path):
+    """A process holding the store's lock and stopped (SIGSTOP) never hangs the worker: each
+    pass gives up on the lock within its budget, shipped as ``maintenance_stopped_lock``
+    (``vllm:sparkcache_maintenance_passes_stopped_total{reason="lock"}``); the capture that
+    waits for the shared lock fails after its bound instead of blocking the publisher forever."""
+    import signal
+    import subprocess
+    import sys
+
+    worker = _worker(tmp_path / "store", "read-write")
+    lock = worker.store.layout.gc_lock_path
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({lock!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder.send_signal(signal.SIGSTOP)
+        counters: dict[str, float] = {}
+        gauges: dict[str, float] = {}
+        tokens = list(range(BLOCKS_PER_ENTRY * BLOCK + 1))
+        worker.capture(CapturePlan("req-locked", BlockKeys(BLOCK).upto(tokens, BLOCKS_PER_ENTRY), 0,
+                                   [list(range(BLOCKS_PER_ENTRY))]))
+        _stats_until(worker, counters, gauges, lambda: counters.get("captures_publish_failed", 0) == 1
+                     and counters.get("maintenance_stopped_lock", 0) >= 1, timeout=90)
+        assert counters.get("captures_publish_failed") == 1, counters
+        assert counters.get("maintenance_stopped_lock", 0) >= 1, counters
+        assert gauges["maintenance_healthy"] == 1.0  # gave up, did not die
+        shipped = {key for _, _, keys in COUNTERS.values() for key in keys}
+        assert {"maintenance_stopped_lock", "maintenance_stopped_error"} <= shipped
+    finally:
+        holder.kill()
+        holder.wait()
+        worker.close()

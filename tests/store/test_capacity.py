@@ -142,11 +142,11 @@ def test_orphans_are_collected_but_not_live_publications(tmp_path):
     orphan = b"orphan" * 100
     from sparkcache.store.objects import digest_of
     d_orphan = digest_of(orphan)
-    with Staging(store.layout.staging_dir) as dead_writer_stand_in:
+    with Staging(store.layout) as dead_writer_stand_in:
         store.objects.write(d_orphan, orphan, dead_writer_stand_in.temp_path("x"))
     live = b"in flight" * 100
     d_live = digest_of(live)
-    with Staging(store.layout.staging_dir) as inflight:
+    with Staging(store.layout) as inflight:
         inflight.declare([d_live])
         store.objects.write(d_live, live, inflight.temp_path("y"))
         report = run_pass(store, PassBudget(), sweep_shards=256)
@@ -190,7 +190,7 @@ def test_objects_of_a_dropped_entry_stay_counted_until_deleted(tmp_path):
     before = store.capacity().used_bytes
     lookup = store.lookup(IDENT, conv_keys(0, 16))
     obj = store.objects.path(lookup.handle.pages[0].digest)
-    with exclusive_lock(store.layout.gc_lock_path, 1.0):
+    with exclusive_lock(store.layout, 1.0):
         store.locked_view_refresh()
         store.drop_manifests_locked([lookup.entry_id])  # what a pass out of time leaves
     assert os.path.exists(obj) and store.capacity().entries == 2

@@ -4,6 +4,8 @@ import json
 import os
 import re
 
+import pytest
+
 from sparkcache.store import PassBudget  # noqa: F401  (import check: no vLLM/torch needed)
 from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
 
@@ -112,3 +114,93 @@ def test_cli_does_not_import_vllm_or_torch(tmp_path):
     env["PYTHONPATH"] = REPO_ROOT
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- usage errors: exit 2, one line
+
+# Each subcommand with the positional arguments it needs; the store root does not exist, so a
+# usage error must be reported before the store is looked for (or imported).
+SUBCOMMANDS = {"status": (), "verify": (), "gc": (), "inspect": ("abcdef",)}
+
+
+def _refused_in_one_line(cli, *needles: str) -> str:
+    """Exit 2, nothing on stdout, one line on stderr (no traceback, no usage block) naming needles."""
+    assert cli.returncode == 2, (cli.returncode, cli.stdout, cli.stderr)
+    assert "Traceback" not in cli.stderr and not cli.stdout, cli.stderr
+    lines = cli.stderr.strip().splitlines()
+    assert len(lines) == 1, cli.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def _config_arg(tmp_path, case: str) -> tuple[str, str]:
+    """(--config value, what the message must name) for one bad --config."""
+    if case == "missing":
+        path = tmp_path / "missing.json"
+    elif case == "directory":
+        path = tmp_path / "a-directory"
+        path.mkdir()
+    elif case == "invalid_json":
+        path = tmp_path / "bad.json"
+        path.write_text('{"max_bytes": "40GiB",}')
+    elif case == "not_an_object":
+        path = tmp_path / "list.json"
+        path.write_text('["max_bytes"]')
+    elif case == "not_utf8":
+        path = tmp_path / "binary.json"
+        path.write_bytes(b"\xff\xfe{}")
+    elif case == "no_file_name":
+        return "@", "--config"
+    elif case == "empty":
+        return "", "--config"
+    else:  # inline JSON that does not parse
+        return '{"max_bytes": 40GiB}', "--config"
+    return f"@{path}", str(path)
+
+
+@pytest.mark.parametrize("cmd", list(SUBCOMMANDS))
+@pytest.mark.parametrize("case", ["missing", "directory", "invalid_json", "not_an_object", "not_utf8",
+                                  "no_file_name", "empty", "inline_invalid"])
+def test_a_bad_config_is_one_line_naming_the_file(tmp_path, cmd, case):
+    value, names = _config_arg(tmp_path, case)
+    cli = run_cli(cmd, "--root", str(tmp_path / "no-store"), "--config", value, *SUBCOMMANDS[cmd])
+    line = _refused_in_one_line(cli, names, "--config")
+    assert "no store at" not in line  # the config is checked first
+
+
+@pytest.mark.parametrize("value", ["-1", "-256", "257", "many", "1.5"])
+def test_gc_sweep_shards_out_of_range_is_refused_naming_the_option(tmp_path, value):
+    cli = run_cli("gc", "--root", str(tmp_path / "no-store"), "--sweep-shards", value)
+    _refused_in_one_line(cli, "--sweep-shards", value)
+
+
+@pytest.mark.parametrize("cmd", list(SUBCOMMANDS))
+def test_argument_errors_of_every_subcommand_are_one_line(tmp_path, cmd):
+    cli = run_cli(cmd, "--root", str(tmp_path / "no-store"), "--no-such-option", *SUBCOMMANDS[cmd])
+    _refused_in_one_line(cli, "--no-such-option", f"sparkcache {cmd} --help")
+    cli = run_cli(cmd, "--root", str(tmp_path / "no-store"), *SUBCOMMANDS[cmd], "--namespace", "")
+    _refused_in_one_line(cli, "SPARKCACHE_NAMESPACE=''")
+
+
+def test_missing_or_unknown_command_and_missing_entry_are_one_line():
+    _refused_in_one_line(run_cli(), "COMMAND", "sparkcache --help")
+    _refused_in_one_line(run_cli("bogus"), "'bogus'", "status")
+    _refused_in_one_line(run_cli("inspect"), "ENTRY", "sparkcache inspect --help")
+
+
+def test_every_command_and_option_has_help_text():
+    import argparse
+
+    from sparkcache.cli import _parser
+
+    top = _parser()
+    (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {choice.dest: choice.help for choice in sub._choices_actions}
+    assert set(helps) == set(sub.choices) == set(SUBCOMMANDS), helps
+    for name, parser in sub.choices.items():
+        assert helps[name] and parser.description, name
+        for action in parser._actions:
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+        cli = run_cli(name, "--help")
+        assert cli.returncode == 0 and parser.description.split()[0] in cli.stdout, name

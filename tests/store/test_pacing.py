@@ -55,7 +55,7 @@ def test_pass_does_not_start_a_unit_it_expects_to_overrun(tmp_path):
 
 def test_lock_wait_counts_and_is_capped_at_a_fifth_of_the_budget(tmp_path):
     store = _over_max_store(tmp_path, n=3)
-    with exclusive_lock(store.layout.gc_lock_path, 1.0):  # another collector holds it
+    with exclusive_lock(store.layout, 1.0):  # another collector holds it
         report = run_pass(store, PassBudget(max_ms=100))
     assert report.stopped_by == "lock"
     assert 0.015 <= report.duration_s < 0.100, report
