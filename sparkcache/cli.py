@@ -231,6 +231,9 @@ _COMMANDS = {"status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "inspect"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 prints escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # refused by the subcommand's parser, so the message points at its help

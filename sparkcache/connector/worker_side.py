@@ -146,6 +146,20 @@ class WorkerSide:
         stored = self._stored_pages(plan)
         if stored is None:
             return False
+        per_block = [self._block_bytes(n) for g in range(len(self.group_layers)) for n in self._layers(g)]
+        # Check every page's recorded size against the layout before reading (a manifest that
+        # records a huge page is refused without mapping or hashing it) and placing any byte.
+        spans = []
+        bpp = stored.blocks_per_page  # the entry's, whatever page_blocks is set to now
+        for k, ref in enumerate(stored.pages):
+            p = stored.first_page + k
+            page_first = p * bpp
+            nblk = min((p + 1) * bpp, stored.block_count) - page_first
+            if ref.size != nblk * sum(per_block):
+                logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
+                               "expects %d", plan.req_id, p, ref.size, nblk * sum(per_block))
+                return False
+            spans.append((page_first, nblk))
         try:
             pages = self.store.objects.read_many_verified(list(stored.pages), mapped=True,
                                                           parallel=self.read_in_parallel)
@@ -155,19 +169,7 @@ class WorkerSide:
                 self.store.metrics._lookup_misses.labels(self.store.metrics.rank, exc.reason).inc()
             self._quarantine(exc, stored)
             return False
-        per_block = [self._block_bytes(n) for g in range(len(self.group_layers)) for n in self._layers(g)]
-        # Check every page's size before placing any byte.
-        spans = []
-        bpp = stored.blocks_per_page  # the entry's, whatever page_blocks is set to now
-        for k, page in enumerate(pages):
-            p = stored.first_page + k
-            page_first = p * bpp
-            nblk = min((p + 1) * bpp, stored.block_count) - page_first
-            if len(page) != nblk * sum(per_block):
-                logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
-                               "expects %d", plan.req_id, p, len(page), nblk * sum(per_block))
-                return False
-            spans.append((page, page_first, nblk))
+        spans = [(page, *span) for page, span in zip(pages, spans)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for page, page_first, nblk in spans:

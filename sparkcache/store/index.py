@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is_entry_id, \
-    is_identity_digest
+    is_identity_digest, occupied
 from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
 
 _MTIME_TRUST_S = 0.05  # directory mtimes newer than this may hide a change in the same tick
@@ -100,12 +100,9 @@ class EntryIndex:
         rounded up to whole blocks): 0 when it is missing or not a regular file. What a
         manifest declares is never counted (a bogus 10 TB page costs nothing)."""
         try:
-            st = self.layout.lstat(self.layout.object_path(digest))
+            return occupied(self.layout.lstat(self.layout.object_path(digest)), self.alloc_unit)
         except (OSError, UnsafePathError):
             return 0
-        if not stat.S_ISREG(st.st_mode):
-            return 0
-        return min(st.st_blocks * 512, allocated(st.st_size, self.alloc_unit))
 
     # ------------------------------------------------------------------ mutation
 
@@ -200,14 +197,15 @@ class EntryIndex:
     def refresh(self, force: bool = False) -> None:
         try:
             found = self.layout.scandir_files(self.layout.manifests_dir)
+            self.strays.clear()  # found again below while they are still there
         except (OSError, UnsafePathError) as exc:
             found = []
             self.strays[self.layout.manifests_dir] = f"cannot list manifests: {exc}"
-        dirs = []
+        dirs: dict[str, int] = {}  # identity -> its directory's mtime
         for name, st in found:
             path = os.path.join(self.layout.manifests_dir, name)
             if is_identity_digest(name) and stat.S_ISDIR(st.st_mode):
-                dirs.append(name)
+                dirs[name] = st.st_mtime_ns
                 self.strays.pop(path, None)
             else:
                 self.strays[path] = ("not an identity directory of manifests (a link, a file "
@@ -216,8 +214,16 @@ class EntryIndex:
             for entry_id in list(self._marks.pop(gone).names):
                 self.remove(entry_id)
                 self.bad.pop(entry_id, None)
-        for idd in dirs:
-            self._refresh_dir(idd, force)
+        for idd, mtime_ns in dirs.items():
+            if force or not self._unchanged(idd, mtime_ns):
+                self._refresh_dir(idd, force)
+
+    def _unchanged(self, idd: str, mtime_ns: int) -> bool:
+        """Whether the identity directory's mtime (old enough to trust) is the one its last
+        listing saw: then nothing was published or removed in it since."""
+        mark = self._marks.get(idd)
+        settled = time.time() - mtime_ns / 1e9 > _MTIME_TRUST_S
+        return mark is not None and settled and mark.mtime_ns == mtime_ns
 
     def _refresh_dir(self, idd: str, force: bool) -> None:
         path = self.layout.identity_dir(idd)
@@ -256,10 +262,10 @@ class EntryIndex:
         """(name, inode) of the identity directory open at ``fd``; None when its mtime says
         nothing changed since the last listing (and the mtime is old enough to trust)."""
         st = os.fstat(fd)
+        if not force and self._unchanged(idd, st.st_mtime_ns):
+            return None
         mark = self._marks.get(idd)
         settled = time.time() - st.st_mtime_ns / 1e9 > _MTIME_TRUST_S
-        if mark is not None and not force and settled and mark.mtime_ns == st.st_mtime_ns:
-            return None
         if mark is None:
             mark = self._marks[idd] = _DirMark(st.st_mtime_ns)
         # Record the mtime seen *before* listing: a change during the listing moves it again.

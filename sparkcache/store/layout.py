@@ -406,6 +406,15 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view[:WRITE_CHUNK]):]
 
 
+def occupied(st: os.stat_result, unit: int) -> int:
+    """Bytes a regular file occupies: its allocated blocks, at most its size rounded up to
+    whole blocks (a sparse file counts what it holds), shared among its hard links (the store
+    makes none: links cannot multiply what is counted); 0 for anything else."""
+    if not stat.S_ISREG(st.st_mode):
+        return 0
+    return min(st.st_blocks * 512, allocated(st.st_size, unit)) // max(st.st_nlink, 1)
+
+
 def allocated(size: int, unit: int) -> int:
     """Bytes a file of ``size`` occupies, counted in whole filesystem blocks."""
     return -(-size // unit) * unit if size else 0

@@ -53,7 +53,7 @@ def flock_within(fd: int, operation: int, timeout_s: float, what: str) -> None:
 @contextmanager
 def _locked(layout: StoreLayout, operation: int, timeout_s: float) -> Iterator[None]:
     path = layout.gc_lock_path
-    fd = layout.open_file(path, os.O_RDWR | os.O_CREAT)
+    fd = layout.open_file(path, os.O_RDWR | os.O_CREAT, create_dirs=True)
     try:
         try:
             flock_within(fd, operation, timeout_s, path)

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .layout import UnsafePathError, allocated, is_identity_digest, parallel_map, sync_all
+from .layout import UnsafePathError, is_identity_digest, parallel_map, sync_all
 from .locks import LockTimeout, exclusive_lock
 from .pacing import PassClock, runqueue_wait_s
 from .pins import live_pins
@@ -322,7 +322,7 @@ def _sweep(store: Any, protected: set[str], clock: PassClock,
         swept += 1
         garbage = clock.run("shard", lambda: _sweep_shard(store, shard, protected))
         count += len(garbage)
-        freed += sum(allocated(size, store.index.alloc_unit) for size in garbage)
+        freed += sum(garbage)
     return count, freed, swept, fsync_s
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +22,13 @@ from .layout import is_entry_id, is_object_digest
 MAGIC = b"SPKM1 "
 FORMAT = 2  # 2: page objects named by BLAKE3 (1, never released: sha256)
 # 1M tokens in 16-token blocks is 62,500 keys of ~70 bytes: 4.4 MB. Larger is not ours.
-MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = 16 << 20
 _MAX_NESTING = 16  # the body is four levels deep; deeper JSON is refused before parsing
+# A page is page_blocks blocks of every layer of one rank: 16 blocks of a 70B model's 80
+# layers (16 tokens, 8 KV heads of 128, fp16) are 84 MB. A recorded size above this is not
+# a page this store wrote (and reading it would take the memory it names).
+MAX_PAGE_BYTES = 1 << 32
+_LATEST_TIME = 1 << 36  # seconds: year 4147; a later created_at is not a time this store wrote
 
 
 class ManifestError(ValueError):
@@ -105,7 +109,8 @@ def decode(data: bytes, *, expected_entry_id: str | None = None,
         return _from_fields(raw, expected_entry_id, expected_identity_digest)
     except ManifestError:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, ArithmeticError,
+            MemoryError) as exc:
         raise ManifestError("corrupt", f"bad field: {type(exc).__name__}: {exc}") from None
 
 
@@ -156,7 +161,7 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
         if not is_object_digest(digest):
             raise ManifestError("unsafe_path", f"page name {digest!r:.80} is not a BLAKE3 digest "
                                 "(paths, '..' and absolute names are refused)")
-        if not _is_count(size):
+        if not _is_count(size) or size > MAX_PAGE_BYTES:
             raise ManifestError("corrupt", f"page size {size!r:.40}")
         pages.append(PageRef(digest, size))
     if len(pages) != pages_needed(len(keys), bpp):
@@ -169,6 +174,7 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
     if expected_identity_digest is not None and identity.digest() != expected_identity_digest:
         raise ManifestError("corrupt", "identity does not match its directory")
     created = raw.get("created_at")
-    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+    if (isinstance(created, bool) or not isinstance(created, (int, float))
+            or not 0 <= created < _LATEST_TIME):
         raise ManifestError("corrupt", f"created_at {created!r:.40}")
     return Manifest(entry_id, identity, keys, bpp, tuple(pages), float(created))

@@ -16,7 +16,8 @@ import stat
 
 import blake3
 
-from .layout import StoreLayout, UnsafePathError, parallel_map, start_writeback, sync_all, write_all
+from .layout import (StoreLayout, UnsafePathError, occupied, parallel_map, start_writeback, sync_all,
+                     write_all)
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
@@ -41,9 +42,13 @@ def digest_of(data: bytes | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
+_HASH_CHUNK = 8 << 20  # check_verified reads and hashes this much at a time
+
+
 class ObjectStore:
-    def __init__(self, layout: StoreLayout) -> None:
+    def __init__(self, layout: StoreLayout, alloc_unit: int = 4096) -> None:
         self.layout = layout
+        self.alloc_unit = alloc_unit
 
     def path(self, digest: str) -> str:
         return self.layout.object_path(digest)
@@ -68,6 +73,26 @@ class ObjectStore:
         finally:
             os.close(fd)
 
+    def check_verified(self, digest: str, size: int) -> None:
+        """``read_verified`` without keeping the bytes: hashed a chunk at a time, so a page of
+        any recorded size (a sparse file of 64 GiB included) costs bounded memory."""
+        fd = self._open_checked(digest, size)
+        try:
+            hasher, got = blake3.blake3(), 0
+            while got < size:
+                try:
+                    chunk = os.read(fd, min(_HASH_CHUNK, size - got))
+                except OSError as exc:
+                    raise ObjectError(UNREADABLE, digest, f"read failed at {got}/{size}: {exc}") from None
+                if not chunk:
+                    raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
+                hasher.update(chunk)
+                got += len(chunk)
+        finally:
+            os.close(fd)
+        if hasher.hexdigest() != digest:
+            raise ObjectError(CORRUPT, digest, "bytes do not match their BLAKE3 name")
+
     @staticmethod
     def _read_fd(fd: int, digest: str, size: int) -> bytes:
         chunks = []
@@ -75,8 +100,8 @@ class ObjectStore:
         while got < size:
             try:
                 chunk = os.read(fd, size - got)
-            except OSError as exc:
-                raise ObjectError(UNREADABLE, digest, f"read failed at {got}/{size}: {exc}") from None
+            except (OSError, MemoryError) as exc:
+                raise ObjectError(UNREADABLE, digest, f"read failed at {got}/{size}: {exc!r}") from None
             if not chunk:
                 raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
             chunks.append(chunk)
@@ -216,10 +241,10 @@ class ObjectStore:
         return shards
 
     def remove(self, digest: str) -> int:
-        """Delete an object; returns the bytes it had (0 if it was already gone)."""
+        """Delete an object; returns the bytes it occupied (0 if it was already gone)."""
         path = self.path(digest)
         try:
-            size = self.layout.lstat(path).st_size
+            size = occupied(self.layout.lstat(path), self.alloc_unit)
             self.layout.unlink(path)
             return size
         except FileNotFoundError:
@@ -234,7 +259,7 @@ class ObjectStore:
         meanwhile stays, and so does anything that is neither a file nor a link inside the
         root (``verify`` reports those)."""
         try:
-            self.read_verified(digest, size)
+            self.check_verified(digest, size)
             return False
         except ObjectError as exc:
             if exc.reason != CORRUPT:
@@ -249,12 +274,13 @@ class ObjectStore:
             return False
 
     def iter_shard(self, shard: str) -> list[tuple[str, int]]:
-        """(digest, size) of the regular files in one shard directory (``"ab"``)."""
+        """(digest, bytes occupied) of the regular files in one shard directory (``"ab"``)."""
         try:
             found = self.layout.scandir_files(os.path.join(self.layout.objects_dir, shard))
         except (OSError, UnsafePathError):
             return []  # a link or a file in place of the shard: verify reports it
-        return [(shard + name, st.st_size) for name, st in found if stat.S_ISREG(st.st_mode)]
+        return [(shard + name, occupied(st, self.alloc_unit)) for name, st in found
+                if stat.S_ISREG(st.st_mode)]
 
 
 _SERIAL_CHECK_PAGES = 8  # check_many_present: up to this many pages on the calling thread

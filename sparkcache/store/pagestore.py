@@ -44,14 +44,15 @@ class PageStore:
             raise ValueError(f"low_watermark_bytes={low_watermark_bytes} > max_bytes={max_bytes}")
         self.read_only = read_only
         self.layout = StoreLayout.create(root, namespace, make=not read_only)
-        self.objects = ObjectStore(self.layout)
+        unit = os.statvfs(self.layout.base).f_frsize or 4096
+        self.objects = ObjectStore(self.layout, unit)
         self.max_bytes = max_bytes
         self.low_watermark_bytes = low_watermark_bytes
         self.lease_seconds = lease_seconds
         self.ttl_seconds = ttl_seconds
         self.page_blocks = page_blocks
         self.metrics = metrics
-        self.index = EntryIndex(self.layout, os.statvfs(self.layout.base).f_frsize or 4096)
+        self.index = EntryIndex(self.layout, unit)
         self._mutex = threading.RLock()
         self.last_recovery: RecoveryReport | None = None
         self.draining = False  # above max once; evicting until at or under the low watermark
@@ -80,7 +81,7 @@ class PageStore:
         Incomplete publications are invisible by construction (no manifest was renamed);
         the objects they wrote are collected by maintenance's orphan sweep.
         """
-        _, cleaned = read_live_intents(self.layout)
+        _, cleaned = read_live_intents(self.layout, remove_stray_dirs=True)
         with self._mutex:
             self.index.refresh(force=True)
             report = RecoveryReport(cleaned, len(self.index.entries), len(self.index.bad))
@@ -235,7 +236,7 @@ class PageStore:
             self.objects.check_many_present(pages)
             if verify:  # one page in memory at a time: an entry can be many GiB
                 for page in pages:
-                    self.objects.read_verified(page.digest, page.size)
+                    self.objects.check_verified(page.digest, page.size)
         except ObjectError as exc:
             return self._miss(exc.reason, entry.entry_id, str(exc))
         lease_id = None
@@ -428,7 +429,7 @@ class PageStore:
             pending = pending[_UNLINK_BATCH:]
             work = lambda: parallel_map(self.objects.remove, batch, "maintenance")  # noqa: E731
             sizes = clock.run("unlink_batch", work) if clock is not None else work()
-            reclaimed += sum(allocated(n, self.index.alloc_unit) for n in sizes)
+            reclaimed += sum(sizes)
         return reclaimed, True
 
     def locked_view_refresh(self) -> set[str]:

@@ -22,6 +22,7 @@ from .layout import StoreLayout, UnsafePathError, is_entry_id
 
 PIN_SUFFIX = ".pin"
 _PIN_NAME = re.compile(r"([0-9a-f]{40})\.([0-9a-f]{16})\.pin")
+_PIN_TEMP = re.compile(r"[0-9a-f]{40}\.[0-9a-f]{16}\.pin\.tmp")
 _MAX_PIN_BYTES = 64
 _CLOCK_SLACK_S = 60.0  # a pin written "in the future" by more than this is not trusted
 
@@ -34,7 +35,7 @@ def create_pin(layout: StoreLayout, entry_id: str, lease_seconds: float) -> str:
     lease_id = f"{entry_id}.{secrets.token_hex(8)}"
     path = os.path.join(layout.pins_dir, lease_id + PIN_SUFFIX)
     tmp = path + ".tmp"
-    fd = layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fd = layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, create_dirs=True)
     try:
         try:
             os.write(fd, f"{time.time() + lease_seconds:.3f}\n".encode())
@@ -48,9 +49,10 @@ def create_pin(layout: StoreLayout, entry_id: str, lease_seconds: float) -> str:
 
 
 def release_pin(layout: StoreLayout, lease_id: str) -> bool:
-    entry_id, _, token = lease_id.partition(".")
-    if not is_entry_id(entry_id) or not token.isalnum():
-        raise ValueError(f"lease id {lease_id!r} was not made by create_pin")
+    """Remove a pin; False when it was gone already or ``lease_id`` is not one ``create_pin``
+    made (nothing is removed then)."""
+    if not isinstance(lease_id, str) or _PIN_NAME.fullmatch(lease_id + PIN_SUFFIX) is None:
+        return False
     try:
         return layout.unlink(os.path.join(layout.pins_dir, lease_id + PIN_SUFFIX))
     except (OSError, UnsafePathError):
@@ -94,6 +96,8 @@ def live_pins(layout: StoreLayout, lease_seconds: float, now: float | None = Non
     for name in names:
         match = _PIN_NAME.fullmatch(name)
         if match is None:
+            if remove_expired and _PIN_TEMP.fullmatch(name) and _older_than(layout, name, now):
+                _unlink_quietly(layout, os.path.join(layout.pins_dir, name))  # a crashed writer's
             continue
         expires = pin_expiry(layout, name, lease_seconds, now)
         if expires is not None and expires > now:
@@ -101,6 +105,15 @@ def live_pins(layout: StoreLayout, lease_seconds: float, now: float | None = Non
         elif remove_expired:
             _unlink_quietly(layout, os.path.join(layout.pins_dir, name))
     return pinned
+
+
+def _older_than(layout: StoreLayout, name: str, now: float) -> bool:
+    """Whether the pins directory's ``name`` was last written over a clock slack ago (a pin
+    being written takes microseconds)."""
+    try:
+        return layout.lstat(os.path.join(layout.pins_dir, name)).st_mtime < now - _CLOCK_SLACK_S
+    except (OSError, UnsafePathError):
+        return False
 
 
 def _unlink_quietly(layout: StoreLayout, path: str) -> None:

@@ -48,7 +48,8 @@ class Staging:
         # holding its lock, so finding it unlinked after our flock means: try a new name.
         for _ in range(8):
             tmp = os.path.join(self.layout.staging_dir, self.token + ".new")
-            fd = self.layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
+            fd = self.layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND,
+                                       create_dirs=True)
             try:
                 try:
                     flock_within(fd, fcntl.LOCK_EX, 1.0, tmp)
@@ -94,7 +95,7 @@ class Staging:
         self.close()
 
 
-def read_live_intents(layout: StoreLayout) -> tuple[set[str], int]:
+def read_live_intents(layout: StoreLayout, *, remove_stray_dirs: bool = False) -> tuple[set[str], int]:
     """Digests named by live publications, and how many dead ones were cleaned up.
 
     Cleans up stale workspaces as a side effect: dead intents and their temp files,
@@ -102,6 +103,8 @@ def read_live_intents(layout: StoreLayout) -> tuple[set[str], int]:
     A file that is not a regular file (a link, a FIFO, a directory) is never opened; a
     link or FIFO named like a leftover is removed itself, a directory is left for
     ``verify`` to report. Lines of a live intent that are not object names are ignored.
+    Directories (nothing the store makes) are removed only with ``remove_stray_dirs``
+    (recovery, which holds no lock): their size is unbounded, a maintenance pass's is not.
     """
     staging_dir = layout.staging_dir
     protected: set[str] = set()
@@ -111,6 +114,10 @@ def read_live_intents(layout: StoreLayout) -> tuple[set[str], int]:
     except (OSError, UnsafePathError):
         return protected, 0
     intents = {n[: -len(INTENT_SUFFIX)] for n in names if n.endswith(INTENT_SUFFIX)}
+    temps: dict[str, list[str]] = {}  # token -> its temp files' names
+    for name in names:
+        if name.endswith(TEMP_SUFFIX) and "-" in name:
+            temps.setdefault(name.split("-", 1)[0], []).append(name)
     live: set[str] = set()
     for token in intents:
         path = os.path.join(staging_dir, token + INTENT_SUFFIX)
@@ -129,9 +136,8 @@ def read_live_intents(layout: StoreLayout) -> tuple[set[str], int]:
                 protected.update(line for line in data.decode("ascii", "replace").split("\n")
                                  if is_object_digest(line))
                 continue
-            for name in names:  # a dead publisher: its temps first, then its intent
-                if name.startswith(token + "-") and name.endswith(TEMP_SUFFIX):
-                    _remove_quietly(layout, os.path.join(staging_dir, name))
+            for name in temps.pop(token, ()):  # a dead publisher: its temps, then its intent
+                _remove_quietly(layout, os.path.join(staging_dir, name))
             _remove_quietly(layout, path)
             cleaned += 1
         finally:
@@ -144,9 +150,11 @@ def read_live_intents(layout: StoreLayout) -> tuple[set[str], int]:
             token = name.split("-", 1)[0]
             # Temps are created after their intent and removed before it, so a temp whose
             # intent is gone (or dead, handled above) is left over from a dead publisher.
-            if token not in live and not _exists(layout, os.path.join(staging_dir, token + INTENT_SUFFIX)):
+            if token not in live and token in temps and not _exists(
+                    layout, os.path.join(staging_dir, token + INTENT_SUFFIX)):
                 _remove_quietly(layout, full)
-    _remove_stray_dirs(layout, names)
+    if remove_stray_dirs:
+        _remove_stray_dirs(layout, names)
     return protected, cleaned
 
 
@@ -159,8 +167,8 @@ def _remove_stray_dirs(layout: StoreLayout, names: list[str]) -> None:
                 try:
                     if stat.S_ISDIR(os.stat(name, dir_fd=d.fd, follow_symlinks=False).st_mode):
                         shutil.rmtree(name, dir_fd=d.fd, ignore_errors=True)
-                except OSError:
-                    continue
+                except (OSError, RecursionError):
+                    continue  # too deep for rmtree: left for the operator (verify lists it)
     except (OSError, UnsafePathError):
         pass
 

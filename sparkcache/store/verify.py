@@ -38,9 +38,10 @@ class VerifyReport:
 
 
 def verify_store(layout: StoreLayout) -> VerifyReport:
-    index = EntryIndex(layout, os.statvfs(layout.base).f_frsize or 4096)
+    unit = os.statvfs(layout.base).f_frsize or 4096
+    index = EntryIndex(layout, unit)
     index.refresh(force=True)
-    objects = ObjectStore(layout)
+    objects = ObjectStore(layout, unit)
     problems: list[Problem] = []
     for bad in sorted(index.bad.values(), key=lambda b: b.path):
         problems.append(Problem("corrupt_manifest", bad.path, bad.detail, (bad.entry_id,)))
@@ -55,7 +56,7 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
     checked = bytes_checked = 0
     for digest in sorted(users):
         try:
-            objects.read_verified(digest, sizes[digest])
+            objects.check_verified(digest, sizes[digest])
             checked += 1
             bytes_checked += sizes[digest]
         except ObjectError as exc:

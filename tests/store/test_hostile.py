@@ -248,14 +248,15 @@ def _hostile_body(case: str, store) -> tuple[bytes, list[str]]:
         body["pages"] = {body["pages"][0][0]: body["pages"][0][1]}
     elif case.startswith("size_"):
         body["pages"][0][1] = {"size_true": True, "size_negative": -1, "size_1e300": 1e300,
-                               "size_string": "5"}[case]
+                               "size_string": "5", "size_64GiB": 64 << 30}[case]
     elif case == "blocks_per_page_true":
         keys = conv_keys(9, 1)
         body = _valid_forged_body(store, keys)
         body["blocks_per_page"] = True
     elif case.startswith("created_at_"):
         body["created_at"] = {"created_at_nan": math.nan, "created_at_inf": math.inf,
-                              "created_at_-inf": -math.inf}[case]
+                              "created_at_-inf": -math.inf, "created_at_10**400": 10**400,
+                              "created_at_1e20": 1e20}[case]
     elif case == "entry_id_int":
         body["entry_id"] = 12345
     elif case == "entry_id_list":
@@ -269,6 +270,7 @@ def _hostile_body(case: str, store) -> tuple[bytes, list[str]]:
                                   "block_keys_string", "pages_dict", "size_true", "size_negative",
                                   "size_1e300", "size_string", "blocks_per_page_true",
                                   "created_at_nan", "created_at_inf", "created_at_-inf",
+                                  "created_at_10**400", "created_at_1e20", "size_64GiB",
                                   "entry_id_int", "entry_id_list"])
 def test_checksummed_hostile_manifest_is_reported_not_loaded(world, case):
     tmp_path, root, store = world
@@ -490,3 +492,65 @@ def test_a_store_directory_that_is_a_link_is_refused_in_one_line(tmp_path, comma
     with pytest.raises(ValueError, match="symbolic link"):
         PageStore(str(root))
     assert sorted(os.listdir(elsewhere)) == ["bait.intent"]
+
+
+def test_hard_links_do_not_multiply_what_capacity_counts(tmp_path):
+    """One real object hard-linked under many object names (referenced by a forged manifest)
+    occupies its blocks once: capacity stays near what is on disk, publication goes on and a
+    pass evicts none of the good entries."""
+    store = open_store(tmp_path / "s", max_bytes=4 << 20, low_watermark_bytes=3 << 20)
+    for conv in (1, 2):
+        assert store.publish(IDENT, conv_keys(conv, 8), conv_pages(conv, 8, 4, 1 << 16)).ok
+    real = store.objects.path(store.lookup(IDENT, conv_keys(1, 8)).handle.pages[0].digest)
+    before = store.capacity().used_bytes
+    names = []
+    for i in range(64):
+        digest = f"{i:02x}" + "e" * 62
+        path = store.objects.path(digest)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.link(real, path)
+        names.append((digest, os.path.getsize(real)))
+    from sparkcache.store.identity import entry_id_for
+    from sparkcache.store.manifests import Manifest, PageRef, encode
+    keys = conv_keys(9, 64 * 4)
+    m = Manifest(entry_id_for(IDENT.digest(), keys[-1]), IDENT, tuple(keys), 4,
+                 tuple(PageRef(d, n) for d, n in names), 0.0)
+    os.makedirs(store.layout.identity_dir(IDENT.digest()), exist_ok=True)
+    with open(store.layout.manifest_path(IDENT.digest(), m.entry_id), "wb") as f:
+        f.write(encode(m))
+    fresh = open_store(tmp_path / "s", max_bytes=4 << 20, low_watermark_bytes=3 << 20)
+    assert fresh.capacity().used_bytes < before + (1 << 20), fresh.capacity()
+    assert fresh.publish(IDENT, conv_keys(3, 8), conv_pages(3, 8, 4, 1 << 16)).ok
+    run_pass(fresh, BIG_BUDGET, sweep_shards=0)
+    for conv in (1, 2, 3):
+        assert fresh.lookup(IDENT, conv_keys(conv, 8)).hit
+
+
+def test_a_deep_directory_in_staging_neither_raises_nor_holds_a_pass(tmp_path):
+    """A directory 3,000 levels deep in staging (rmtree recurses): recovery leaves it for the
+    operator instead of raising RecursionError, a pass does not touch it, verify lists it."""
+    store = open_store(tmp_path / "s")
+    assert store.publish(IDENT, conv_keys(1, 4), conv_pages(1, 4, 4)).ok
+    top = os.path.join(store.layout.staging_dir, "deep")
+    fd = os.open(store.layout.staging_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(3000):
+            os.mkdir("d", dir_fd=fd) if _ else os.mkdir("deep", dir_fd=fd)
+            nxt = os.open("d" if _ else "deep", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+    fresh = open_store(tmp_path / "s")
+    assert run_pass(fresh, BIG_BUDGET, sweep_shards=256).stopped_by == "done"
+    assert fresh.lookup(IDENT, conv_keys(1, 4), lease=True).hit
+    res = run_cli("gc", "--root", str(tmp_path / "s"))
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert not os.path.exists(top) or top in run_cli("verify", "--root", str(tmp_path / "s")).stdout
+
+
+def test_malformed_lease_ids_are_released_as_nothing(tmp_path):
+    store = open_store(tmp_path / "s")
+    for lease_id in ("garbage", "../../../", "a" * 40 + ".x/y", ""):
+        store.release(lease_id)  # never raises, never removes anything
+    assert store.publish(IDENT, conv_keys(1, 4), conv_pages(1, 4, 4)).ok
