@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -541,12 +542,16 @@ def test_a_deep_directory_in_staging_neither_raises_nor_holds_a_pass(tmp_path):
             fd = nxt
     finally:
         os.close(fd)
-    fresh = open_store(tmp_path / "s")
-    assert run_pass(fresh, BIG_BUDGET, sweep_shards=256).stopped_by == "done"
-    assert fresh.lookup(IDENT, conv_keys(1, 4), lease=True).hit
-    res = run_cli("gc", "--root", str(tmp_path / "s"))
-    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
-    assert not os.path.exists(top) or top in run_cli("verify", "--root", str(tmp_path / "s")).stdout
+    try:
+        fresh = open_store(tmp_path / "s")
+        assert run_pass(fresh, BIG_BUDGET, sweep_shards=256).stopped_by == "done"
+        assert fresh.lookup(IDENT, conv_keys(1, 4), lease=True).hit
+        res = run_cli("gc", "--root", str(tmp_path / "s"))
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert not os.path.exists(top) or top in run_cli("verify", "--root",
+                                                         str(tmp_path / "s")).stdout
+    finally:  # pytest's own cleanup of old temp dirs recurses too: remove it with GNU rm (fts)
+        subprocess.run(["rm", "-rf", top], check=True)
 
 
 def test_malformed_lease_ids_are_released_as_nothing(tmp_path):
