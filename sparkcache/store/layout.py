@@ -208,7 +208,7 @@ class StoreLayout:
             raise
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            raise UnsafePathError(f"{path}: not a regular file (a {_kind(st.st_mode)}); the "
+            raise UnsafePathError(f"{path}: not a regular file (a {file_kind(st.st_mode)}); the "
                                   "store opens only regular files")
         return fd
 
@@ -257,8 +257,9 @@ _KIND_WORDS = {errno.ELOOP: "is a symbolic link", errno.EISDIR: "is a directory"
                errno.ENXIO: "is a FIFO or socket with no peer"}
 
 
-def _kind(mode: int) -> str:
-    for test, word in ((stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+def file_kind(mode: int) -> str:
+    """A file's kind in words, for messages and ``verify`` ("file" for a regular one)."""
+    for test, word in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
                        (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
                        (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
         if test(mode):

@@ -4,12 +4,11 @@ re-hashed, every file under objects/ checked to be a regular file. Read-only."""
 from __future__ import annotations
 
 import os
-import stat
 import time
 from dataclasses import dataclass
 
 from .index import EntryIndex
-from .layout import StoreLayout, UnsafePathError
+from .layout import StoreLayout, UnsafePathError, file_kind
 from .objects import ObjectError, ObjectStore
 from .pins import PIN_SUFFIX, pin_expiry
 
@@ -112,11 +111,7 @@ def _listing(layout: StoreLayout, path: str, problems: list[Problem]) -> list[tu
     except (OSError, UnsafePathError) as exc:
         problems.append(Problem("unsafe_file", path, f"cannot be listed safely: {exc}", ()))
         return []
-    return sorted((name, _KINDS.get(stat.S_IFMT(st.st_mode), "special file")) for name, st in found)
-
-
-_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "directory", stat.S_IFLNK: "symbolic link",
-          stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket"}
+    return sorted((name, file_kind(st.st_mode)) for name, st in found)
 
 
 __all__ = ["Problem", "VerifyReport", "verify_store"]
