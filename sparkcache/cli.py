@@ -213,17 +213,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  created    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created_at))}")
     print(f"  last used  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.last_access))}")
     print(f"  pinned     {'yes' if m.entry_id in live_pins(store.layout, store.lease_seconds) else 'no'}")
+    if m.state is not None:
+        print(f"  state      recurrent state after block {m.block_count}, {m.state.size} bytes")
     status = 0
-    for i, page in enumerate(m.pages):
+    named = [(f"page {i:4d}", page) for i, page in enumerate(m.pages)]
+    for label, page in named + ([("state    ", m.state)] if m.state is not None else []):
         state = "shared" if store.index.refcount.get(page.digest, 0) > 1 else "own"
         if args.verify:
             try:
-                store.objects.read_verified(page.digest, page.size)
+                store.objects.check_verified(page.digest, page.size)
                 state += ", verified"
             except ObjectError as exc:
                 state += f", BAD {exc.reason}: {exc.detail}"
                 status = 1
-        print(f"  page {i:4d}  {page.digest}  {page.size} bytes  ({state})")
+        print(f"  {label}  {page.digest}  {page.size} bytes  ({state})")
     return status
 
 

@@ -27,11 +27,11 @@ class IndexedEntry:
     inode: int
     manifest_bytes: int
     last_access: float
-    unique_pages: tuple = ()  # distinct PageRefs, computed once
+    unique_pages: tuple = ()  # distinct PageRefs (pages and state), computed once
 
     def __post_init__(self) -> None:
         if not self.unique_pages:
-            self.unique_pages = tuple({p.digest: p for p in self.manifest.pages}.values())
+            self.unique_pages = tuple({p.digest: p for p in self.manifest.objects}.values())
 
     @property
     def entry_id(self) -> str:
@@ -176,8 +176,13 @@ class EntryIndex:
                     out.append(entry_id)
         return out
 
-    def longest_match(self, identity_digest: str, keys: list[str]) -> tuple[IndexedEntry | None, int]:
-        """The entry holding the longest prefix of ``keys`` and that prefix's length in blocks."""
+    def longest_match(self, identity_digest: str, keys: list[str], *,
+                      with_state: bool = False) -> tuple[IndexedEntry | None, int]:
+        """The entry holding the longest prefix of ``keys`` and that prefix's length in blocks.
+        ``with_state``: only an entry that ends exactly there and holds the recurrent state
+        at its end (a hybrid model resumes only where a state was taken)."""
+        if with_state:
+            return self._longest_with_state(identity_digest, keys)
         by_key = self.blocks.get(identity_digest)
         if not by_key:
             return None, 0
@@ -189,6 +194,19 @@ class EntryIndex:
                                 key=lambda e: (e.manifest.block_count, e.last_access), reverse=True)
             for entry in candidates:
                 if list(entry.manifest.block_keys[:k]) == keys[:k]:
+                    return entry, k
+        return None, 0
+
+    def _longest_with_state(self, identity_digest: str, keys: list[str]) -> tuple[IndexedEntry | None, int]:
+        ends = self.ends.get(identity_digest)
+        if not ends:
+            return None, 0
+        for k in range(len(keys), 0, -1):
+            candidates = sorted((self.entries[e] for e in ends.get(keys[k - 1], ()) if e in self.entries),
+                                key=lambda e: e.last_access, reverse=True)
+            for entry in candidates:
+                m = entry.manifest
+                if m.state is not None and m.block_count == k and list(m.block_keys) == keys[:k]:
                     return entry, k
         return None, 0
 

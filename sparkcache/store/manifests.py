@@ -7,6 +7,12 @@ File format (``<entry id>.mf``)::
 The body is checked against the header digest on every decode, so any flipped or lost
 byte makes the manifest ``corrupt``. Every field is validated; page names must be BLAKE3
 hex digests (never paths), so a manifest cannot point outside the store.
+
+An entry of a hybrid model also names a ``state`` object: the recurrent (Mamba /
+linear-attention) state of every recurrent layer after exactly ``block_count`` blocks, in
+the layer order and byte layout the identity's ``kv_layout`` describes. Such an entry is
+restorable to that depth only (``EntryIndex.longest_match(..., with_state=True)``); manifests
+without the field (every attention-only entry) encode exactly as before.
 """
 
 from __future__ import annotations
@@ -60,10 +66,16 @@ class Manifest:
     blocks_per_page: int
     pages: tuple[PageRef, ...]
     created_at: float
+    state: PageRef | None = None  # recurrent state after block_count blocks (hybrid models)
 
     @property
     def identity_digest(self) -> str:
         return self.identity.digest()
+
+    @property
+    def objects(self) -> tuple[PageRef, ...]:
+        """Every object the entry references: its pages, then its state."""
+        return self.pages + ((self.state,) if self.state is not None else ())
 
     @property
     def block_count(self) -> int:
@@ -79,7 +91,7 @@ def pages_needed(n_blocks: int, blocks_per_page: int) -> int:
 
 
 def encode(manifest: Manifest) -> bytes:
-    body = json.dumps({
+    fields = {
         "format": FORMAT,
         "entry_id": manifest.entry_id,
         "identity": manifest.identity.to_dict(),
@@ -87,7 +99,10 @@ def encode(manifest: Manifest) -> bytes:
         "blocks_per_page": manifest.blocks_per_page,
         "pages": [[p.digest, p.size] for p in manifest.pages],
         "created_at": manifest.created_at,
-    }, sort_keys=True, separators=(",", ":")).encode()
+    }
+    if manifest.state is not None:
+        fields["state"] = [manifest.state.digest, manifest.state.size]
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
 
 
@@ -153,17 +168,8 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
         raise ManifestError("corrupt", f"blocks_per_page {bpp!r}")
     if not isinstance(raw.get("pages"), list):
         raise ManifestError("corrupt", "pages must be a list of [name, size]")
-    pages = []
-    for item in raw["pages"]:
-        if not isinstance(item, list) or len(item) != 2:
-            raise ManifestError("corrupt", f"page {item!r:.80} is not [name, size]")
-        digest, size = item
-        if not is_object_digest(digest):
-            raise ManifestError("unsafe_path", f"page name {digest!r:.80} is not a BLAKE3 digest "
-                                "(paths, '..' and absolute names are refused)")
-        if not _is_count(size) or size > MAX_PAGE_BYTES:
-            raise ManifestError("corrupt", f"page size {size!r:.40}")
-        pages.append(PageRef(digest, size))
+    pages = [_page_ref(item, "page") for item in raw["pages"]]
+    state = _page_ref(raw["state"], "state") if raw.get("state") is not None else None
     if len(pages) != pages_needed(len(keys), bpp):
         raise ManifestError("corrupt", f"{len(pages)} pages for {len(keys)} blocks at {bpp}/page")
     entry_id = raw.get("entry_id")
@@ -177,4 +183,16 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
     if (isinstance(created, bool) or not isinstance(created, (int, float))
             or not 0 <= created < _LATEST_TIME):
         raise ManifestError("corrupt", f"created_at {created!r:.40}")
-    return Manifest(entry_id, identity, keys, bpp, tuple(pages), float(created))
+    return Manifest(entry_id, identity, keys, bpp, tuple(pages), float(created), state)
+
+
+def _page_ref(item: object, what: str) -> PageRef:
+    if not isinstance(item, list) or len(item) != 2:
+        raise ManifestError("corrupt", f"{what} {item!r:.80} is not [name, size]")
+    digest, size = item
+    if not is_object_digest(digest):
+        raise ManifestError("unsafe_path", f"{what} name {digest!r:.80} is not a BLAKE3 digest "
+                            "(paths, '..' and absolute names are refused)")
+    if not _is_count(size) or size > MAX_PAGE_BYTES:
+        raise ManifestError("corrupt", f"{what} size {size!r:.40}")
+    return PageRef(digest, size)

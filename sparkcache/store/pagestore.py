@@ -92,13 +92,15 @@ class PageStore:
 
     def publish(self, identity: Identity, block_hashes: Sequence[BlockHash],
                 pages: Sequence[bytes | memoryview | None], *,
-                blocks_per_page: int | None = None) -> PublishResult:
+                blocks_per_page: int | None = None,
+                state: bytes | memoryview | None = None) -> PublishResult:
         """Publish the prefix ``block_hashes`` with its page bytes.
 
         ``pages[i]`` holds blocks ``[i*bpp, (i+1)*bpp)`` (the last page may be short). A page
         given as ``None`` is taken from the stored entry that already holds exactly those
         blocks (copy-on-write growth without re-capturing); page objects that already exist
-        are reused, never rewritten.
+        are reused, never rewritten. ``state``: a hybrid model's recurrent state after the
+        last block, stored as one more object of the entry.
         """
         if self.read_only:
             raise PermissionError(f"{self.layout.base}: opened read-only; publishing needs a "
@@ -128,8 +130,10 @@ class PageStore:
         writer = PublicationWriter(self, staging)
         try:
             staging.open()
-            refs = writer.write_pages(pages, reused_refs)
-            manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time())
+            refs = writer.write_pages([*pages, *([state] if state is not None else [])], reused_refs)
+            state_ref = refs.pop() if state is not None else None
+            manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time(),
+                                state_ref)
             writer.commit(staging.temp_path("manifest"),
                           encode(manifest), self.layout.manifest_path(idd, entry_id),
                           lambda: self._make_identity_dir(idd))
@@ -204,8 +208,9 @@ class PageStore:
     # ------------------------------------------------------------------ lookup / read
 
     def lookup(self, identity: Identity, block_hashes: Sequence[BlockHash], *,
-               lease: bool = False, verify: bool = False) -> LookupResult:
-        """The longest stored prefix of ``block_hashes`` for ``identity``.
+               lease: bool = False, verify: bool = False, with_state: bool = False) -> LookupResult:
+        """The longest stored prefix of ``block_hashes`` for ``identity`` (with ``with_state``:
+        the longest that ends with a recurrent state, see ``EntryIndex.longest_match``).
 
         Every page of the hit is checked (present, regular, right size; with ``verify``
         also re-hashed). A broken entry is a miss with reason ``corrupt`` or ``absent``.
@@ -215,15 +220,16 @@ class PageStore:
         keys = block_keys(block_hashes)
         idd = identity.digest()
         try:
-            return self._lookup(idd, keys, lease, verify)
+            return self._lookup(idd, keys, lease, verify, with_state)
         except (OSError, UnsafePathError) as exc:  # a full, read-only or failing disk; a lock
             reason, detail = os_failure(exc)       # held past its bound: a miss, never a raise
             return self._miss(reason, None, detail)
 
-    def _lookup(self, idd: str, keys: list[str], lease: bool, verify: bool) -> LookupResult:
+    def _lookup(self, idd: str, keys: list[str], lease: bool, verify: bool,
+                with_state: bool) -> LookupResult:
         with self._mutex:
             self.index.refresh()
-            entry, depth = self.index.longest_match(idd, keys)
+            entry, depth = self.index.longest_match(idd, keys, with_state=with_state)
             refused = self._refused_deeper_manifest(idd, keys, depth)
         if entry is None:
             if refused is not None:
@@ -232,6 +238,8 @@ class PageStore:
             return self._miss(NOT_FOUND, None, "no stored prefix for this identity")
         handle = _handle_of(entry)
         pages = list(entry.manifest.pages_for_blocks(depth))
+        if with_state:
+            pages.append(entry.manifest.state)
         try:
             self.objects.check_many_present(pages)
             if verify:  # one page in memory at a time: an entry can be many GiB
@@ -463,6 +471,7 @@ _UNLINK_BATCH = 16  # files a maintenance unit unlinks in parallel (the maintena
 
 def _handle_of(entry: IndexedEntry) -> EntryHandle:
     m = entry.manifest
-    return EntryHandle(m.entry_id, m.identity_digest, m.block_count, m.blocks_per_page, m.pages)
+    return EntryHandle(m.entry_id, m.identity_digest, m.block_count, m.blocks_per_page, m.pages,
+                       m.state)
 
 

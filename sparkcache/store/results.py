@@ -68,6 +68,7 @@ class EntryHandle:
     block_count: int
     blocks_per_page: int
     pages: tuple[PageRef, ...]
+    state: PageRef | None = None  # recurrent state after block_count blocks (hybrid models)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
     users: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
     for entry in index.entries.values():
-        for page in entry.manifest.pages:
+        for page in entry.manifest.objects:
             users.setdefault(page.digest, []).append(entry.entry_id)
             sizes[page.digest] = page.size
     checked = bytes_checked = 0
