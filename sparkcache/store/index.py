@@ -164,7 +164,8 @@ class EntryIndex:
     # ------------------------------------------------------------------ queries
 
     def entries_ending_within(self, identity_digest: str, keys: list[str]) -> list[str]:
-        """Entries of this identity whose blocks are a proper prefix of ``keys``."""
+        """Entries of this identity whose blocks are a proper prefix of ``keys`` and that hold
+        no recurrent state (one that does is a resume point no longer entry holds)."""
         ends = self.ends.get(identity_digest)
         if not ends:
             return []
@@ -172,7 +173,8 @@ class EntryIndex:
         for pos, key in enumerate(keys[:-1]):
             for entry_id in ends.get(key, ()):
                 entry = self.entries.get(entry_id)
-                if entry is not None and entry.manifest.block_count == pos + 1:
+                if (entry is not None and entry.manifest.block_count == pos + 1
+                        and entry.manifest.state is None):
                     out.append(entry_id)
         return out
 

@@ -182,7 +182,8 @@ class PageStore:
         return []
 
     def _supersede_shorter(self, idd: str, keys: list[str]) -> tuple[str, ...]:
-        """Evict entries that the new one extends (their blocks are all in it), unless pinned.
+        """Evict entries that the new one extends (their blocks are all in it and they hold no
+        recurrent state), unless pinned.
         Best effort: skipped when the collector holds the lock."""
         with self._mutex:
             shorter = self.index.entries_ending_within(idd, keys)

@@ -28,13 +28,25 @@ def test_state_lookup_is_exact_depth_and_keeps_entries_apart(tmp_path):
     assert bytes(read[0]) == STATE
 
 
-def test_deeper_state_entry_supersedes_and_serves_the_longer_prompt(tmp_path):
+def test_a_deeper_state_entry_keeps_the_shallower_resume_point(tmp_path):
+    # A prompt's boundary (block 4) and a decode-time checkpoint past it (block 8) are two
+    # resume points: the next turn of a conversation whose history drops the reasoning
+    # shares only the first 4 blocks, and resumes at 4 or recomputes everything. So a
+    # longer entry does not supersede a shorter one that holds a state (it does supersede
+    # a shorter one without: its pages are all in the longer entry).
     store = open_store(tmp_path)
-    store.publish(IDENT, conv_keys(1, 4), conv_pages(1, 4, 4), state=b"a" * 64)
+    short = store.publish(IDENT, conv_keys(1, 4), conv_pages(1, 4, 4), state=b"a" * 64)
     grown = store.publish(IDENT, conv_keys(1, 8), conv_pages(1, 8, 4), state=b"b" * 64)
-    assert grown.ok
+    assert grown.ok and grown.superseded == ()
     found = store.lookup(IDENT, conv_keys(1, 10), with_state=True)
     assert found.hit_blocks == 8 and found.entry_id == grown.entry_id
+    diverged = conv_keys(1, 6) + ["c9-b6", "c9-b7", "c9-b8"]  # the same first 6 blocks, then not
+    found = store.lookup(IDENT, diverged, with_state=True)
+    assert found.hit_blocks == 4 and found.entry_id == short.entry_id
+    assert bytes(store.objects.read_many_verified([found.handle.state])[0]) == b"a" * 64
+    pages_only = store.publish(IDENT, conv_keys(2, 4), conv_pages(2, 4, 4))
+    assert store.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4), state=b"c" * 64).superseded == (
+        pages_only.entry_id,)
 
 
 def test_state_is_counted_verified_and_freed_with_its_entry(tmp_path):
