@@ -12,7 +12,10 @@ the adapter into ``llm.generate(lora_request=LoRARequest(name, id, path))``. LoR
 enabled for the engine life with ``"lora": {"max_lora_rank": 8, "max_loras": 2}`` (both
 optional, defaults shown), e.g. with an adapter from ``sparkcache.tinymodel.make_tiny_lora``;
 with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
-sets ``kv_load_failure_policy`` (default ``"recompute"``).
+sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`` (e.g.
+``"align"``) is passed to vLLM for hybrid models; ``"logprobs": true`` reports each output
+token's logprob; ``"chain": true`` makes a conversation: each prompt after the first is the
+previous prompt, its output and then its own ids.
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
@@ -55,16 +58,23 @@ def run(cfg: dict) -> dict:
         lora_kwargs = {"enable_lora": True, "max_lora_rank": lora.get("max_lora_rank", 8),
                        "max_loras": lora.get("max_loras", 2)}
     t0 = time.monotonic()
+    hybrid_kwargs = {"mamba_cache_mode": cfg["mamba_cache_mode"]} if cfg.get("mamba_cache_mode") else {}
     llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enable_prefix_caching=True,
               max_model_len=cfg.get("max_model_len", 4096), block_size=cfg.get("block_size", 32),
               kv_transfer_config=kvt, disable_log_stats=False, seed=0,
-              max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096), **lora_kwargs)
+              max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096), **lora_kwargs,
+              **hybrid_kwargs)
     startup_s = time.monotonic() - t0
-    params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
+                            logprobs=0 if cfg.get("logprobs") else None)
     results = []
+    history: list[int] = []
     for item in cfg["prompts"]:
         item = item if isinstance(item, dict) else {"ids": item}
         ids = item["ids"]
+        if cfg.get("chain") and results:  # a conversation: the last prompt and its answer first
+            ids = history + ids
+        history = list(ids)
         prompt = TokensPrompt(prompt_token_ids=ids)
         if item.get("cache_salt") is not None:
             prompt["cache_salt"] = item["cache_salt"]
@@ -73,9 +83,13 @@ def run(cfg: dict) -> dict:
                         if adapter else None)
         t = time.monotonic()
         out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)[0]
+        logprobs = ([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+                    if cfg.get("logprobs") else None)
         results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
+                        "logprobs": logprobs,
                         "kv_transfer_params": out.kv_transfer_params,
-                        "generate_s": time.monotonic() - t, "prompt_tokens": len(ids)})
+                        "generate_s": time.monotonic() - t, "prompt_tokens": len(ids), "prompt": ids})
+        history += results[-1]["tokens"]
     metrics = {}
     for m in llm.get_metrics():
         if m.name.startswith(("vllm:prefix_cache", "vllm:external_prefix", "vllm:sparkcache",
@@ -100,9 +114,11 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
     group afterwards: engine processes ignore SIGTERM), with ``cwd`` first on PYTHONPATH; the
     child prints one ``ENGINE-RESULT {json}`` line. Returns that JSON plus ``log`` (the tail of
     its output); raises RuntimeError with that output when the child fails. ``env`` adds to
-    (or overrides) this process's environment for the child."""
-    env = dict(os.environ, **(env or {}), VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")])))
+    (or overrides) this process's environment for the child; its ``PYTHONPATH`` goes first."""
+    extra = dict(env or {})
+    first = extra.pop("PYTHONPATH", None)  # e.g. a transformed vLLM tree, ahead of cwd
+    env = dict(os.environ, **extra, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [first, str(cwd), os.environ.get("PYTHONPATH")])))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Files, not pipes, so a straggler that inherited them cannot keep us waiting.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

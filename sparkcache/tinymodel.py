@@ -14,12 +14,24 @@ Two presets:
   real 1-8B models sit at ~75-120K, so restores win there by more; the tiny model is at
   ~0.9K. Used by ``bench/restore_ttft.py`` (which records these figures in its JSON).
 
+Hybrid models (``HybridSpec``, ``make_tiny_hybrid``): Mamba2 plus attention, NemotronH or
+GraniteMoeHybrid, with transformers' own initialisation (and a long-memory variant whose
+recurrent state decides the output). Three presets:
+- ``TINY_HYBRID``: NemotronH, hidden 128, Mamba2 / attention / Mamba2 / MLP / Mamba2 /
+  attention, long memory, fp32; used by the end-to-end hybrid tests;
+- ``TINY_GRANITE_HYBRID``: GraniteMoeHybrid (dense), hidden 128, Mamba2 / attention x 2,
+  long memory, fp32; the second architecture of those tests;
+- ``BENCH_HYBRID``: NemotronH, hidden 1024, 4 Mamba2 (32 heads of 64, state 128, 8 groups)
+  and 4 attention layers (16 query / 4 KV heads of 64), fp32: 8 KiB of KV per token, like
+  ``BENCH``, plus 4.2 MiB of recurrent state per entry; used by ``bench/restore_ttft.py
+  --model hybrid``.
+
 ``make_tiny_lora(model_dir, seed)`` writes a random PEFT-format LoRA adapter (rank 8 by
 default, on q/k/v/o of every layer) for such a model, cached the same way; its ``lora_B`` is
 far from zero (PEFT initialises it to zero), so adapters of different seeds change greedy
 outputs visibly, and differently.
 
-Usage: ``python -m sparkcache.tinymodel [tiny|bench]`` prints the directory;
+Usage: ``python -m sparkcache.tinymodel [tiny|bench|hybrid|granite|bench-hybrid]`` prints the directory;
 ``python -m sparkcache.tinymodel lora [SEED]`` prints a LoRA adapter's directory for ``TINY``.
 """
 
@@ -27,10 +39,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -151,21 +166,30 @@ def _write_weights(spec: TinyModelSpec, out: Path) -> None:
 def make_tiny_model(spec: TinyModelSpec = TINY, cache_dir: str | os.PathLike | None = None) -> str:
     """The model directory for ``spec`` (built once, then reused). Returns its path."""
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out = base / f"llama-{spec.hidden_size}h{spec.num_layers}l-{spec.key()}"
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(_config(spec), indent=1))
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+        _train_tokenizer(spec, tmp)
+        _write_weights(spec, tmp)
+
+    return _build_once(base / f"llama-{spec.hidden_size}h{spec.num_layers}l-{spec.key()}",
+                       json.dumps(asdict(spec)), write)
+
+
+def _build_once(out: Path, description: str, write: Callable[[Path], None]) -> str:
+    """``out`` as ``write`` fills it, built once: written into a temporary sibling, marked
+    complete with ``description``, then renamed into place (a build cut short leaves no
+    ``out``; racing builders make identical ones and the first rename wins). Returns its path."""
     if (out / ".complete").exists():
         return str(out)
-    tmp = base / f".tmp-{spec.key()}-{os.getpid()}"
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(_config(spec), indent=1))
-    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    _train_tokenizer(spec, tmp)
-    _write_weights(spec, tmp)
-    (tmp / ".complete").write_text(json.dumps(asdict(spec)))
+    write(tmp)
+    (tmp / ".complete").write_text(description)
     try:
         os.rename(tmp, out)
     except OSError:  # another process won the race; theirs is identical
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
 
@@ -211,23 +235,143 @@ def make_tiny_lora(model_dir: str, seed: int, rank: int = 8,
         "target_modules": list(_LORA_TARGETS), "fan_in_fan_out": False, "inference_mode": True,
         "modules_to_save": None, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
     }
-    tmp = base / f".tmp-lora-{key}-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
-    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (tmp / ".complete").write_text(json.dumps({"model_dir": str(model_dir), "seed": seed, "rank": rank}))
-    try:
-        os.rename(tmp, out)
-    except OSError:  # another process won the race; theirs is identical
-        import shutil
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    def write(tmp: Path) -> None:
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    return _build_once(out, json.dumps({"model_dir": str(model_dir), "seed": seed, "rank": rank}), write)
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """A hybrid model of ``arch`` (``HYBRID_ARCHS``: ``nemotron_h``, NemotronH; or
+    ``granitemoehybrid``, GraniteMoeHybrid, dense), both Mamba2 plus attention; ``pattern``:
+    ``M`` Mamba2, ``*`` attention, ``-`` MLP (NemotronH only), built with transformers' own
+    ``from_config`` initialisation. ``long_memory`` slows the SSM decay
+    (A = -0.05, dt = 0.05: a state keeps ~78% of what it held 100 tokens back), drops the
+    skip path (D = 0) and widens the Mamba projections (in_proj std 0.1, conv std 0.5), so a
+    Mamba layer's output is what its state remembers and a wrong or missing recurrent state
+    changes greedy tokens; with stock initialisation the state barely matters (a zeroed
+    state moved logprobs by ~3e-4 and no token)."""
+    pattern: str = "M*M-M*"
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    mamba_num_heads: int = 16
+    mamba_head_dim: int = 16
+    ssm_state_size: int = 16
+    n_groups: int = 1
+    chunk_size: int = 16
+    vocab_size: int = 512
+    max_position_embeddings: int = 8192
+    dtype: str = "float32"
+    long_memory: bool = True
+    seed: int = 0
+    arch: str = "nemotron_h"
+
+    def key(self) -> str:
+        text = json.dumps(asdict(self), sort_keys=True) + "|hybrid-v3"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+TINY_HYBRID = HybridSpec()
+TINY_GRANITE_HYBRID = HybridSpec(pattern="M*M*", arch="granitemoehybrid")
+BENCH_HYBRID = HybridSpec(pattern="M*M*M*M*", hidden_size=1024, num_heads=16, num_kv_heads=4, head_dim=64,
+                          mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+                          chunk_size=64, vocab_size=1024, long_memory=False)
+
+
+def _nemotron_h_config(spec: HybridSpec) -> Any:
+    from transformers import NemotronHConfig
+
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+    return NemotronHConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=2 * spec.hidden_size, num_hidden_layers=len(spec.pattern),
+        hybrid_override_pattern=spec.pattern,
+        layers_block_type=[kinds[c] for c in spec.pattern],
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, mamba_num_heads=spec.mamba_num_heads,
+        mamba_head_dim=spec.mamba_head_dim, ssm_state_size=spec.ssm_state_size,
+        n_groups=spec.n_groups, chunk_size=spec.chunk_size, expand=(
+            spec.mamba_num_heads * spec.mamba_head_dim) // spec.hidden_size,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype=spec.dtype)
+
+
+def _granite_config(spec: HybridSpec) -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    kinds = {"M": "linear_attention", "*": "full_attention"}
+    if set(spec.pattern) - set(kinds) or spec.hidden_size != spec.num_heads * spec.head_dim:
+        raise ValueError(f"HybridSpec(arch='granitemoehybrid', pattern={spec.pattern!r}, hidden_size="
+                         f"{spec.hidden_size}, num_heads={spec.num_heads}, head_dim={spec.head_dim}): "
+                         "GraniteMoeHybrid has Mamba2 ('M') and attention ('*') layers only, each with "
+                         "its own MLP, and head_dim = hidden_size / num_heads; fix the spec")
+    return GraniteMoeHybridConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=2 * spec.hidden_size, shared_intermediate_size=2 * spec.hidden_size,
+        num_hidden_layers=len(spec.pattern), layer_types=[kinds[c] for c in spec.pattern],
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        attention_multiplier=spec.head_dim ** -0.5,  # Granite's softmax scale, 1.0 by default
+        num_local_experts=0, position_embedding_type="rope",
+        mamba_n_heads=spec.mamba_num_heads, mamba_d_head=spec.mamba_head_dim,
+        mamba_d_state=spec.ssm_state_size, mamba_n_groups=spec.n_groups,
+        mamba_chunk_size=spec.chunk_size,
+        mamba_expand=(spec.mamba_num_heads * spec.mamba_head_dim) // spec.hidden_size,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype=spec.dtype)
+
+
+HYBRID_ARCHS = {"nemotron_h": _nemotron_h_config, "granitemoehybrid": _granite_config}
+
+
+def _hybrid_config(spec: HybridSpec) -> Any:
+    if spec.arch not in HYBRID_ARCHS:
+        raise ValueError(f"HybridSpec(arch={spec.arch!r}): not one of {sorted(HYBRID_ARCHS)}")
+    return HYBRID_ARCHS[spec.arch](spec)
+
+
+def make_tiny_hybrid(spec: HybridSpec = TINY_HYBRID, cache_dir: str | os.PathLike | None = None) -> str:
+    """The model directory for a hybrid ``spec`` (built once, then reused). Returns its path."""
+    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return _build_once(base / f"{spec.arch}-{spec.pattern.replace('*', 'A')}-{spec.key()}",
+                       json.dumps(asdict(spec)), lambda tmp: _write_hybrid(spec, tmp))
+
+
+def _write_hybrid(spec: HybridSpec, tmp: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(_hybrid_config(spec), torch_dtype=getattr(torch, spec.dtype))
+    if spec.long_memory:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".A_log"):  # NemotronH's ``mixer.``, Granite's ``mamba.``
+                    param.fill_(math.log(0.05))
+                elif name.endswith(".dt_bias"):
+                    param.fill_(math.log(math.expm1(0.05)))
+                elif name.endswith(".D"):
+                    param.zero_()  # no skip path: a Mamba layer's output is its state's
+                elif name.endswith(".conv1d.weight"):
+                    param.normal_(0.0, 0.5)  # at std 0.02 the state's inputs are ~1e-3 ...
+                elif name.endswith(".in_proj.weight"):
+                    param.normal_(0.0, 0.1)  # ... and its output falls below the norm's eps
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok_spec = TinyModelSpec(vocab_size=spec.vocab_size, seed=spec.seed,
+                             max_position_embeddings=spec.max_position_embeddings)
+    _train_tokenizer(tok_spec, tmp)
 
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "tiny"
     if which == "lora":
         print(make_tiny_lora(make_tiny_model(TINY), int(sys.argv[2]) if len(sys.argv) > 2 else 1))
+    elif which in ("hybrid", "granite", "bench-hybrid"):
+        print(make_tiny_hybrid({"hybrid": TINY_HYBRID, "granite": TINY_GRANITE_HYBRID,
+                                "bench-hybrid": BENCH_HYBRID}[which]))
     else:
         print(make_tiny_model({"tiny": TINY, "bench": BENCH}[which]))

@@ -27,6 +27,7 @@ from sparkcache.settings import SettingsError, load_settings
 from sparkcache.store import PageStore
 
 from .identity import make_identity
+from .kv_layout import KVLayout, LayoutKind
 from .scheduler_side import CapturePlan, LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
 from .worker_side import WorkerSide
@@ -99,6 +100,12 @@ def _worker_ranks() -> tuple[int, dict[str, int]]:
                                                  "pcp_rank": ps.get_pcp_group().rank_in_group}
 
 
+def _report_layout(layout: KVLayout) -> None:
+    if layout.kind is LayoutKind.UNSUPPORTED:
+        logger.warning("sparkcache: this model's KV cache layout is not stored, nothing will be "
+                       "restored or captured: %s", layout.unsupported)
+
+
 def _ensure_log_handler() -> None:
     """Make ``sparkcache.*`` INFO lines (the attribution record) visible in vLLM's processes.
 
@@ -130,20 +137,21 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         declared = self.settings.weights_fingerprint
         if role == KVConnectorRole.SCHEDULER:
-            identity, attention_only = make_identity(vllm_config, kv_cache_config, 0,
-                                                     declared_weights=declared)
+            identity, layout = make_identity(vllm_config, kv_cache_config, 0,
+                                             declared_weights=declared)
+            _report_layout(layout)
             store = _open_store(self.settings, metrics=None)
             self._sched = SchedulerSide(self.settings, identity, store, self.block_size,
-                                        attention_only, len(kv_cache_config.kv_cache_groups))
+                                        layout, len(kv_cache_config.kv_cache_groups))
             self._sched.num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         else:
             rank, ranks = _worker_ranks()
-            identity, attention_only = make_identity(vllm_config, kv_cache_config, rank,
-                                                     ranks=ranks, declared_weights=declared)
+            identity, layout = make_identity(vllm_config, kv_cache_config, rank,
+                                             ranks=ranks, declared_weights=declared)
             self.metrics = StoreMetrics(rank=str(rank))
             store = _open_store(self.settings, metrics=self.metrics)
             self._worker = WorkerSide(self.settings, identity, store, kv_cache_config,
-                                      attention_only, self.metrics)
+                                      layout, self.metrics)
         logger.info("sparkcache connector: role=%s mode=%s root=%s", role.name, self.mode,
                     self.settings.root or "-")
 
@@ -227,7 +235,9 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         return  # captures happen once per finished request, from the blocks vLLM holds for us
 
     def wait_for_save(self) -> None:
-        return
+        # After the forward: a hybrid capture copies the state this step wrote.
+        if self._worker is not None:
+            self._worker.capture_after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

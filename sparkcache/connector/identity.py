@@ -8,7 +8,7 @@ names its manifest directory), so whatever is folded in here can never be mixed 
   ``SPARKCACHE_WEIGHTS_FINGERPRINT`` when the weights are not local files);
 - ``model_config``: ``describe_model_config`` (quantization, ``hf_overrides``, KV-cache
   dtype, load format, draft model, ...);
-- ``kv_layout``: ``describe_kv_layout``; ``block_size``;
+- ``kv_layout``: ``kv_layout.describe_kv_layout``; ``block_size``;
 - ``parallel`` and ``tp_rank``: the settings that decide which heads, layers and tokens
   a rank holds;
 - ``runtime_lock_hash``: ``installed_runtime`` (the vLLM actually imported);
@@ -32,6 +32,7 @@ from typing import Any
 from sparkcache.store import Identity
 
 from .keys import KEY_SCHEME
+from .kv_layout import KVLayout, describe_kv_layout
 
 LOCK_RESOURCE = "vllm-0.32.0.lock.json"  # package data: the lock of the runtime we were built for
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5",
@@ -240,32 +241,6 @@ def installed_runtime(site_packages: Path | None = None) -> str:
 
 # ------------------------------------------------------------------------ layout, config
 
-def describe_kv_layout(kv_cache_config: Any) -> tuple[str, bool]:
-    """(layout string, whether every group is full attention the worker can copy).
-
-    The string changes whenever page bytes would: spec type, heads, head size, dtype,
-    block size, layer names per group, and vLLM's kv_cache_layout.
-    """
-    groups = []
-    attention_only = True
-    for g in kv_cache_config.kv_cache_groups:
-        spec = g.kv_cache_spec
-        kind = type(spec).__name__
-        if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
-            attention_only = False
-        groups.append({
-            "spec": kind, "layers": list(g.layer_names),
-            "block_size": getattr(spec, "block_size", None),
-            "num_kv_heads": getattr(spec, "num_kv_heads", None),
-            "head_size": getattr(spec, "head_size", None),
-            "head_size_v": getattr(spec, "head_size_v", None),
-            "dtype": str(getattr(spec, "dtype", getattr(spec, "dtypes", ""))),
-            "shapes": str(getattr(spec, "shapes", "")),
-        })
-    layout = {"groups": groups, "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", ""))}
-    return _canonical(layout), attention_only
-
-
 def _jsonable(value: Any, what: str) -> Any:
     """``value`` as plain JSON data (dataclasses and pydantic models by their fields), or
     IdentityError naming the setting: never a repr, which differs between processes."""
@@ -339,15 +314,15 @@ def describe_parallel(vllm_config: Any, ranks: dict[str, int]) -> str:
 
 
 def make_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, *,
-                  ranks: dict[str, int] | None = None, declared_weights: str = "") -> tuple[Identity, bool]:
+                  ranks: dict[str, int] | None = None, declared_weights: str = "") -> tuple[Identity, KVLayout]:
     mc = vllm_config.model_config
-    layout, attention_only = describe_kv_layout(kv_cache_config)
+    layout = describe_kv_layout(kv_cache_config)
     weights = weights_fingerprint(vllm_config, declared_weights)
     identity = Identity(
         model=f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}:{mc.dtype}",
-        kv_layout=layout, block_size=int(vllm_config.cache_config.block_size),
+        kv_layout=layout.description, block_size=int(vllm_config.cache_config.block_size),
         tp_rank=int(tp_rank), runtime_lock_hash=installed_runtime(), weights=weights,
         model_config=describe_model_config(vllm_config),
         parallel=describe_parallel(vllm_config, ranks or {"pp_rank": 0, "pcp_rank": 0}),
         key_scheme=KEY_SCHEME)
-    return identity, attention_only
+    return identity, layout

@@ -19,6 +19,15 @@ Per request it keeps one ``_ReqState``. The flow:
   minimum span; delays the free (a lease with the lease transform) until the workers
   copied the pages into a capture slot (``finished_sending``), or until an in-flight load
   is reported (``finished_recving``).
+- Hybrid layouts (``kv_layout.LayoutKind.HYBRID``): an entry is pages plus the recurrent
+  state after its last block, and a state exists only while vLLM offers it. vLLM offers a
+  boundary state (``kv_connector_block_state.boundary_state_offloads``) in the step whose
+  forward writes it; by the time the request finishes that block is gone. So captures are
+  planned in ``build_meta`` from those offers (the boundaries at or past the prompt's last
+  full block: the prompt, and decode-time checkpoints where vLLM keeps them), and the
+  workers copy pages and state after that step's forward (``wait_for_save``), while every
+  block is still the request's. Offers look up entries with a state at exactly their depth
+  (``with_state``), and a load places pages to depth N and the state at N, or nothing.
 - ``has_pending_push_work``: true while a planned capture is not yet settled by every
   worker (published, failed or skipped: reported in the worker meta) or counters are
   waiting to be taken. vLLM then keeps stepping an otherwise idle engine, and each step
@@ -39,6 +48,7 @@ from sparkcache.store.manifests import PageRef, pages_needed
 from .attribution import AttributionRecord, emit
 from .identity import AdapterFingerprints
 from .keys import BlockKeys, request_extra_keys
+from .kv_layout import KVLayout, LayoutKind
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -58,14 +68,17 @@ class StoredPages:
     block_count: int
     blocks_per_page: int
     pages: tuple[PageRef, ...]
+    state: PageRef | None = None  # the recurrent state at end_block (hybrid entries ending there)
 
     @classmethod
     def of(cls, handle: Any, start_block: int, end_block: int) -> "StoredPages":
-        """The pages of ``handle`` (an ``EntryHandle``) that hold blocks [start, end)."""
+        """The pages of ``handle`` (an ``EntryHandle``) that hold blocks [start, end), and its
+        state when the entry ends exactly at ``end_block``."""
         bpp = handle.blocks_per_page
         first = start_block // bpp
+        state = handle.state if end_block == handle.block_count else None
         return cls(handle.identity_digest, first, handle.block_count, bpp,
-                   tuple(handle.pages[first:pages_needed(end_block, bpp)]))
+                   tuple(handle.pages[first:pages_needed(end_block, bpp)]), state)
 
 
 @dataclass
@@ -84,6 +97,9 @@ class CapturePlan:
     keys: list[str]           # keys of blocks [0, n_blocks)
     reuse_pages: int          # leading pages an existing entry holds (published as None)
     block_ids: list[list[int]]  # per KV group: source block ids of [reuse_pages*bpp, n_blocks)
+    # Hybrid: per recurrent group (``KVLayout.state_groups`` order), the block vLLM offered
+    # with the state after n_blocks; copied after this step's forward. None: no state.
+    state_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -114,17 +130,17 @@ class SchedulerCounters:
 
 class SchedulerSide:
     def __init__(self, settings: Any, identity: Any, store: Any, block_size: int,
-                 attention_only: bool, num_groups: int) -> None:
+                 layout: KVLayout, num_groups: int) -> None:
         self.settings = settings
         self.mode = settings.access_mode if settings.enabled else "disabled"
         self.identity = identity
         self.store = store
         self.block_size = block_size
-        self.attention_only = attention_only
+        self.layout = layout
         self.num_groups = num_groups
         self.bpp = settings.page_blocks
         # vLLM maps invalid block ids back to requests only for a single KV group.
-        self.sync_loads = settings.sync_loads and attention_only and num_groups == 1
+        self.sync_loads = settings.sync_loads and self.attention_only and num_groups == 1
         self.reqs: dict[str, _ReqState] = {}
         self.loads_to_send: list[LoadPlan] = []
         self.captures_to_send: list[CapturePlan] = []
@@ -137,6 +153,16 @@ class SchedulerSide:
         self.unsettled: dict[str, tuple[int, float]] = {}  # req_id -> (reports owed, deadline)
         self.adapters = AdapterFingerprints()
         self.after_reset = False                  # vLLM reset the connector's cache: stop
+
+    @property
+    def attention_only(self) -> bool:
+        """Entries are pages only, captured when a request finishes."""
+        return self.layout.kind is LayoutKind.ATTENTION
+
+    @property
+    def hybrid(self) -> bool:
+        """Entries are pages plus the recurrent state at their end."""
+        return self.layout.kind is LayoutKind.HYBRID
 
     # ------------------------------------------------------------------ requests
 
@@ -193,7 +219,8 @@ class SchedulerSide:
         st = self.state(request)
         st.last_found = None
         st.last_query = (num_computed_tokens, 0)
-        if self.mode not in RESTORING_MODES or self.store is None or st.restore_refused:
+        if (self.mode not in RESTORING_MODES or self.store is None or st.restore_refused
+                or self.layout.kind is LayoutKind.UNSUPPORTED):
             return 0, False
         bs = self.block_size
         n_blocks = (request.num_tokens - 1) // bs  # never the last token
@@ -202,7 +229,7 @@ class SchedulerSide:
         keys = self._keys(st, n_blocks)
         if keys is None:
             return 0, False
-        result = self.store.lookup(self.identity, keys)
+        result = self.store.lookup(self.identity, keys, with_state=self.hybrid)
         offered = result.hit_blocks * bs - num_computed_tokens if result.hit else 0
         if offered < max(1, self.settings.min_span_tokens):
             offered = 0
@@ -237,6 +264,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_meta(self, scheduler_output: Any) -> tuple[list[LoadPlan], list[CapturePlan]]:
+        if self.hybrid:
+            self._plan_state_captures(getattr(scheduler_output, "kv_connector_block_state", None))
         for new in scheduler_output.scheduled_new_reqs:
             self._admitted(new.req_id, new.num_computed_tokens, scheduler_output, resumed=False)
         cached = scheduler_output.scheduled_cached_reqs
@@ -252,6 +281,53 @@ class SchedulerSide:
         loads, captures = self.loads_to_send, self.captures_to_send
         self.loads_to_send, self.captures_to_send = [], []
         return loads, captures
+
+    def _plan_state_captures(self, block_state: Any) -> None:
+        """Capture plans for this step's boundary-state offers (module docstring)."""
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        for req_id, entries in offers.items():
+            st = self.reqs.get(req_id)
+            if st is None or self.mode not in CAPTURING_MODES or self.store is None:
+                continue
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block_id, tokens in entries:
+                by_boundary.setdefault(int(tokens), {})[int(group)] = int(block_id)
+            # The deepest boundary a longer prompt resumes at: vLLM keeps no state after a
+            # prompt's last token (a hit never covers it), so a 704-token prompt's is 640.
+            prompt_boundary = (st.record.prompt_tokens - 1) // self.block_size * self.block_size
+            for tokens in sorted(by_boundary):
+                groups = by_boundary[tokens]
+                if (tokens % self.block_size or tokens < max(prompt_boundary, 1)
+                        or set(groups) != set(self.layout.state_groups)):
+                    continue
+                plan = self._state_capture_plan(st, block_state, tokens // self.block_size,
+                                                [groups[g] for g in self.layout.state_groups])
+                if plan is not None:
+                    self._send_capture(plan)
+
+    def _state_capture_plan(self, st: _ReqState, block_state: Any, n_blocks: int,
+                            state_ids: list[int]) -> CapturePlan | None:
+        if n_blocks * self.block_size < self.settings.min_span_tokens or not self._usable(st):
+            return None
+        table = block_state.get_block_ids(st.request.request_id)
+        if table is None or any(len(table[g]) < n_blocks for g in self.layout.page_groups):
+            return None
+        keys = self._keys(st, n_blocks)
+        if keys is None:
+            return None
+        if self.store.lookup(self.identity, keys, with_state=True).hit_blocks == n_blocks:
+            return None  # already stored, state included
+        found = self.store.lookup(self.identity, keys)
+        reuse_pages = (found.hit_blocks if found.hit else 0) // self.bpp
+        first = reuse_pages * self.bpp
+        ids = [list(table[g][first:n_blocks]) if g in self.layout.page_groups else []
+               for g in range(self.num_groups)]
+        return CapturePlan(st.request.request_id, keys, reuse_pages, ids, state_ids)
+
+    def _send_capture(self, plan: CapturePlan) -> None:
+        self.captures_to_send.append(plan)
+        owed, _ = self.unsettled.get(plan.req_id, (0, 0.0))
+        self.unsettled[plan.req_id] = (owed + self.num_workers, time.monotonic() + self.settle_timeout_s)
 
     def _admitted(self, req_id: str, num_computed: int, out: Any, resumed: bool) -> None:
         st = self.reqs.get(req_id)
@@ -336,11 +412,8 @@ class SchedulerSide:
         plan = self._capture_plan(st, request, block_ids)
         if plan is None:
             return False, params
-        self.captures_to_send.append(plan)
+        self._send_capture(plan)
         self.awaiting_send.add(request.request_id)
-        owed, _ = self.unsettled.get(request.request_id, (0, 0.0))
-        self.unsettled[request.request_id] = (owed + self.num_workers,
-                                              time.monotonic() + self.settle_timeout_s)
         return True, params
 
     def _capture_plan(self, st: _ReqState, request: Any, block_ids: tuple[list[int], ...]) -> CapturePlan | None:

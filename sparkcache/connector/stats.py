@@ -29,6 +29,15 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                  {"restores_ok": "ok", "restores_failed": "refused"}),
     "restored_tokens": ("Tokens placed into the KV cache by verified restores.", None,
                         {"restored_tokens": ""}),
+    "restored_bytes": ("Bytes placed into the KV cache by verified restores, by kind: attention "
+                       "pages, or the recurrent (Mamba / linear-attention) state of a hybrid model.",
+                       "kind", {"restored_page_bytes": "page", "restored_state_bytes": "state"}),
+    "state_restores": ("Restores of a hybrid model (attention pages plus the recurrent state at "
+                       "their depth, placed together or not at all), by outcome.", "outcome",
+                       {"state_restores_ok": "ok", "state_restores_failed": "refused"}),
+    "captured_bytes": ("Bytes copied out of the KV cache for publication, by kind (page or "
+                       "recurrent state).", "kind",
+                       {"captured_page_bytes": "page", "captured_state_bytes": "state"}),
     "load_failures": ("Restores refused (corrupt, absent or unreadable); the request recomputes.",
                       None, {"restores_failed": ""}),
     "skipped_requests": ("Requests neither offered a restore nor captured (they recompute), by "

@@ -14,9 +14,12 @@ in ``finished_recving`` and ``failed_recving``, of a synchronous one (``plan.syn
 before this step's forward) its destination blocks as invalid
 (``get_block_ids_with_load_errors``) and the request in the worker meta (``sync_failed``);
 either way, with ``kv_load_failure_policy="recompute"``
-vLLM recomputes it, and nothing is written into the KV cache. Hybrid models (non-attention
-groups): restores are refused and captures skipped (recurrent-state capture is not
-implemented on the worker).
+vLLM recomputes it, and nothing is written into the KV cache. Hybrid models
+(``kv_layout.LayoutKind.HYBRID``): a restore reads the pages and the recurrent state of the
+entry ending exactly at the load's depth, verifies all of them, then places the pages in
+the attention groups' blocks and the state in each recurrent group's block of the last
+column; a capture copies both after the forward that wrote the state (``wait_for_save``).
+Other layouts: restores are refused and captures skipped.
 
 A writing worker (read-write, store-only) also runs the store's maintenance
 (``worker_maintenance``).
@@ -33,6 +36,7 @@ from sparkcache.store.manifests import pages_needed
 from sparkcache.store.objects import CORRUPT, ObjectError
 
 from .capture_slots import CaptureSlots
+from .kv_layout import KVLayout, LayoutKind
 from .scheduler_side import StoredPages
 from .worker_maintenance import WorkerMaintenance
 
@@ -43,6 +47,7 @@ logger = logging.getLogger("sparkcache.connector")
 class _PublishJob:
     keys: list[str]
     pages: list[Any]
+    state: bytes | None = None
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -58,14 +63,15 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 class WorkerSide:
     def __init__(self, settings: Any, identity: Any, store: Any, kv_cache_config: Any,
-                 attention_only: bool, metrics: Any = None) -> None:
+                 layout: KVLayout, metrics: Any = None) -> None:
         self.settings = settings
         self.identity = identity
         self.identity_digest = identity.digest()  # compared with every load plan's
         self.store = store
         self.bpp = settings.page_blocks
-        self.attention_only = attention_only
+        self.layout = layout
         self.group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        self.after_forward: list[Any] = []  # hybrid capture plans, copied in wait_for_save
         self.kv: dict[str, Any] = {}
         self.read_in_parallel = True  # see register_kv_caches
         self.finished_sending: set[str] = set()
@@ -108,18 +114,31 @@ class WorkerSide:
     def _layers(self, group: int) -> list[str]:
         return [n for n in self.group_layers[group] if n in self.kv]
 
+    def _page_layers(self) -> list[tuple[int, str]]:
+        """(group, layer) of every layer whose blocks make a page, in page byte order."""
+        return [(g, n) for g in self.layout.page_groups for n in self._layers(g)]
+
+    def _state_layers(self) -> list[tuple[int, str]]:
+        """(index in ``state_groups``, layer) of every recurrent layer, in state byte order."""
+        return [(k, n) for k, g in enumerate(self.layout.state_groups) for n in self._layers(g)]
+
     def _block_bytes(self, name: str) -> int:
         t = self.kv[name]
         return t[0].numel()
 
+    def _usable(self) -> bool:
+        return (self.store is not None and bool(self.kv)
+                and self.layout.kind is not LayoutKind.UNSUPPORTED)
+
     # ------------------------------------------------------------------ restore
 
     def load(self, plan: Any) -> None:
-        ok = False
+        placed = None
         try:
-            ok = self._load(plan)
+            placed = self._load(plan)
         except Exception:
             logger.exception("sparkcache: restore of %s failed", plan.req_id)
+        ok = placed is not None
         if plan.sync:
             (self.sync_loaded if ok else self.sync_failed).append(plan.req_id)
             if not ok:
@@ -129,24 +148,38 @@ class WorkerSide:
             self.finished_recving.add(plan.req_id)
             if not ok:
                 self.failed_recving.add(plan.req_id)
-        if ok:
+        if placed is not None:
             self._add("restores_ok")
             self._add("restored_tokens", sum(len(ids) for ids in plan.block_ids[:1]) *
                       self.identity.block_size)
+            self._add("restored_page_bytes", placed[0])
+            self._add("restored_state_bytes", placed[1])
         else:
             self._add("restores_failed")
+        if self.layout.has_state:
+            self._add("state_restores_ok" if placed is not None else "state_restores_failed")
 
-    def _load(self, plan: Any) -> bool:
+    def _load(self, plan: Any) -> tuple[int, int] | None:
+        """Read, verify and place; returns the (page, state) bytes placed, or None when the
+        restore is refused (then nothing was placed)."""
         import torch
 
-        if self.store is None or not self.attention_only or not self.kv:
-            return False
+        if not self._usable():
+            return None
         end = len(plan.keys)
         start = plan.start_block
         stored = self._stored_pages(plan)
         if stored is None:
-            return False
-        per_block = [self._block_bytes(n) for g in range(len(self.group_layers)) for n in self._layers(g)]
+            return None
+        per_block = [self._block_bytes(n) for _, n in self._page_layers()]
+        state_layers = self._state_layers()
+        state_bytes = sum(self._block_bytes(n) for _, n in state_layers)
+        if self.layout.has_state and (stored.state is None or stored.block_count != end
+                                      or stored.state.size != state_bytes):
+            logger.warning("sparkcache: restore of %s refused: the entry holds no recurrent "
+                           "state of %d bytes after block %d (it ends at block %d)", plan.req_id,
+                           state_bytes, end, stored.block_count)
+            return None
         # Check every page's recorded size against the layout before reading (a manifest that
         # records a huge page is refused without mapping or hashing it) and placing any byte.
         spans = []
@@ -158,17 +191,19 @@ class WorkerSide:
             if ref.size != nblk * sum(per_block):
                 logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
                                "expects %d", plan.req_id, p, ref.size, nblk * sum(per_block))
-                return False
+                return None
             spans.append((page_first, nblk))
+        wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
         try:
-            pages = self.store.objects.read_many_verified(list(stored.pages), mapped=True,
+            pages = self.store.objects.read_many_verified(wanted, mapped=True,
                                                           parallel=self.read_in_parallel)
         except ObjectError as exc:
             logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
             if self.store.metrics is not None:
                 self.store.metrics._lookup_misses.labels(self.store.metrics.rank, exc.reason).inc()
             self._quarantine(exc, stored)
-            return False
+            return None
+        state = pages.pop() if self.layout.has_state else None
         spans = [(page, *span) for page, span in zip(pages, spans)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -178,7 +213,7 @@ class WorkerSide:
                     continue
                 src_all = torch.frombuffer(page, dtype=torch.uint8)
                 offset = 0
-                for g in range(len(self.group_layers)):
+                for g in self.layout.page_groups:
                     runs = _runs(plan.block_ids[g][lo - start:hi - start])
                     for name in self._layers(g):
                         dst = self.kv[name]
@@ -190,7 +225,19 @@ class WorkerSide:
                         # assignment of uint8 rows is element-wise and ~50x slower on CPU).
                         for i, first_id, n in runs:
                             dst[first_id:first_id + n].copy_(layer_src[i:i + n])
-        return True
+            if state is not None:
+                # The state after block ``end`` goes where vLLM reads it: column end - 1.
+                src_all = torch.frombuffer(state, dtype=torch.uint8)
+                offset = 0
+                for k, name in state_layers:
+                    dst = self.kv[name]
+                    bb = dst[0].numel()
+                    dst[plan.block_ids[self.layout.state_groups[k]][-1]].copy_(
+                        src_all[offset:offset + bb].view(dst.shape[1:]))
+                    offset += bb
+        placed_pages = sum(hi - lo for lo, hi in ((max(start, f), min(end, f + n)) for _, f, n in spans)
+                           if hi > lo) * sum(per_block)
+        return placed_pages, len(state) if state is not None else 0
 
     def _quarantine(self, exc: ObjectError, stored: StoredPages) -> None:
         """A writing worker removes an object found corrupt, so the next capture of that
@@ -199,7 +246,8 @@ class WorkerSide:
         nothing."""
         if exc.reason != CORRUPT or self.slots is None:
             return
-        size = next((p.size for p in stored.pages if p.digest == exc.digest), None)
+        size = next((p.size for p in (*stored.pages, stored.state) if p is not None
+                     and p.digest == exc.digest), None)
         if size is not None and self.store.objects.discard_corrupt(exc.digest, size):
             logger.warning("sparkcache: removed corrupt page object %s; the next capture of its "
                            "prefix writes it again", exc.digest)
@@ -221,17 +269,33 @@ class WorkerSide:
     # ------------------------------------------------------------------ capture
 
     def capture(self, plan: Any) -> None:
-        """Copy the pages out (the blocks are free-able afterwards) and queue the publication."""
+        """A finished request's capture: copy the pages out now (its blocks are free-able
+        once ``finished_sending`` reports it) and queue the publication. A hybrid plan (one
+        with a state) waits for this step's forward, which writes its state
+        (``capture_after_forward``)."""
+        if plan.state_block_ids is not None:
+            self.after_forward.append(plan)
+            return
         self.finished_sending.add(plan.req_id)
-        if self.slots is None or not self.attention_only or not self.kv:
+        self._capture(plan)
+
+    def capture_after_forward(self) -> None:
+        plans, self.after_forward = self.after_forward, []
+        for plan in plans:
+            self._capture(plan)
+
+    def _capture(self, plan: Any) -> None:
+        if self.slots is None or not self._usable():
             self._settled.append(plan.req_id)
             return
         import torch
 
         n = len(plan.keys)
         first = plan.reuse_pages * self.bpp
-        layers = [(g, name) for g in range(len(self.group_layers)) for name in self._layers(g)]
-        nbytes = (n - first) * sum(self._block_bytes(name) for _, name in layers)
+        layers = self._page_layers()
+        state_layers = self._state_layers() if plan.state_block_ids is not None else []
+        nbytes = ((n - first) * sum(self._block_bytes(name) for _, name in layers)
+                  + sum(self._block_bytes(name) for _, name in state_layers))
         ticket = self.slots.try_acquire(nbytes)
         if ticket is None:
             self._settled.append(plan.req_id)  # skipped and counted by the slots
@@ -246,15 +310,22 @@ class WorkerSide:
                 lo, hi = p * self.bpp - first, min((p + 1) * self.bpp, n) - first
                 pages.append(b"".join(gathered[name][lo:hi].contiguous().numpy().tobytes()
                                       for _, name in layers))
+            state = None
+            if state_layers:
+                state = b"".join(self.kv[name][plan.state_block_ids[k]].contiguous().cpu().numpy().tobytes()
+                                 for k, name in state_layers)
         except Exception:
             self.slots.cancel(ticket)
             self._settled.append(plan.req_id)
             logger.exception("sparkcache: capture of %s failed", plan.req_id)
             return
-        self.slots.submit(ticket, _PublishJob(list(plan.keys), pages), tag=plan.req_id)
+        self._add("captured_page_bytes", sum(len(p) for p in pages if p is not None))
+        self._add("captured_state_bytes", len(state) if state is not None else 0)
+        self.slots.submit(ticket, _PublishJob(list(plan.keys), pages, state), tag=plan.req_id)
 
     def _publish(self, job: _PublishJob) -> Any:
-        result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp)
+        result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp,
+                                    state=job.state)
         if not result.ok:
             logger.warning("sparkcache: publication refused (%s): %s", result.reason, result.detail)
         if self.maintenance is not None:

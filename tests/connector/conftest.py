@@ -17,14 +17,23 @@ def tiny_model() -> str:
     return make_tiny_model(TINY)
 
 
+@pytest.fixture(scope="session")
+def hybrid_model() -> str:
+    """The offline tiny NemotronH (Mamba2 + attention, long-memory SSM, fp32)."""
+    from sparkcache.tinymodel import make_tiny_hybrid
+
+    return make_tiny_hybrid()
+
+
 def long_prompt(n: int = 2100, seed: int = 1) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-def run_engine(cfg: dict, timeout: int = 500) -> dict:
-    """One engine life (start, generate, shut down) in a fresh process; returns its JSON."""
-    return run_in_fresh_process(cfg, REPO, timeout)
+def run_engine(cfg: dict, timeout: int = 500, env: dict | None = None) -> dict:
+    """One engine life (start, generate, shut down) in a fresh process; returns its JSON.
+    ``env``: added to the child's environment (its ``PYTHONPATH`` goes first)."""
+    return run_in_fresh_process(cfg, REPO, timeout, env=env)
 
 
 def metric(result: dict, name: str, **labels) -> float:

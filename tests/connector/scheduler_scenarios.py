@@ -56,8 +56,9 @@ def make_scheduler(root: str, num_blocks: int = 200, max_num_batched_tokens: int
 
 
 def store_prefix(scheduler, tokens: list[int]) -> int:
-    """Publish the whole blocks of ``tokens`` into the connector's store (page bytes are
-    irrelevant to the scheduler side). Returns the stored tokens."""
+    """Publish the whole blocks of ``tokens`` into the connector's store (page and state
+    bytes are irrelevant to the scheduler side; a hybrid layout's entry carries a state, as
+    its worker publishes it). Returns the stored tokens."""
     from sparkcache.connector.keys import BlockKeys
 
     side = scheduler.connector._sched
@@ -65,7 +66,8 @@ def store_prefix(scheduler, tokens: list[int]) -> int:
     keys = BlockKeys(BS).upto(tokens, n)
     bpp = side.bpp
     pages = [bytes([p % 251]) * 64 for p in range(-(-n // bpp))]
-    assert side.store.publish(side.identity, keys, pages).ok
+    state = b"\x00" * 8 if side.hybrid else None
+    assert side.store.publish(side.identity, keys, pages, state=state).ok
     return n * BS
 
 

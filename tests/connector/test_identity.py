@@ -14,6 +14,7 @@ import pytest
 
 from sparkcache.connector.identity import (IdentityError, directory_fingerprint, installed_runtime,
                                            make_identity)
+from sparkcache.connector.kv_layout import LayoutKind
 from sparkcache.store import Identity
 
 BS = 32
@@ -35,8 +36,8 @@ def _configs(model: str, **model_kwargs):
 
 
 def _digest(vllm_config, kv, rank: int = 0, **kw) -> str:
-    identity, attention_only = make_identity(vllm_config, kv, rank, **kw)
-    assert attention_only
+    identity, layout = make_identity(vllm_config, kv, rank, **kw)
+    assert layout.kind is LayoutKind.ATTENTION
     return identity.digest()
 
 

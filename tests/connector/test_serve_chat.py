@@ -28,6 +28,7 @@ fixture kills with SIGKILL in teardown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -38,6 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -71,10 +73,11 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
         return json.loads(r.read().decode())
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    root = tmp / "store"
+@contextlib.contextmanager
+def serve(model: str, tmp: Path, root: Path, *, block_size: int = BLOCK,
+          extra_args: tuple[str, ...] = ()):
+    """One ``vllm serve`` life on 127.0.0.1 with sparkcache read-write on ``root``; yields
+    ``{"base", "root", "log"}`` once healthy, kills its process group afterwards."""
     template = tmp / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     port = _free_port()
@@ -85,15 +88,17 @@ def server(tiny_model, tmp_path_factory):
     # ``vllm serve`` is ``vllm.entrypoints.cli.main``, which needs vLLM's package metadata
     # (absent in this venv's build) only for its --version string; the server it starts is
     # this module's, so run that directly with the same arguments.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "4096",
-           "--max-num-batched-tokens", "4096", "--enable-prefix-caching", "--seed", "0",
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--block-size", str(block_size), "--max-model-len", "4096",
+           "--enable-prefix-caching", "--seed", "0",
            "--enable-prompt-tokens-details", "--chat-template", str(template),
-           "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(kvt)]
+           "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(kvt), *extra_args]
+    if "--max-num-batched-tokens" not in extra_args:
+        cmd += ["--max-num-batched-tokens", "4096"]
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO), NO_PROXY="127.0.0.1",
                no_proxy="127.0.0.1")
-    log_path = tmp / "server.log"
+    log_path = tmp / f"server-{port}.log"
     log = open(log_path, "w+")
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)
@@ -124,37 +129,54 @@ def server(tiny_model, tmp_path_factory):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    with serve(tiny_model, tmp, tmp / "store") as srv:
+        yield srv
+
+
 def _user_message(turn: int) -> str:
     rng = random.Random(turn)
     return " ".join(rng.choice(WORDS) for _ in range(60 + 10 * turn))
 
 
-@pytest.fixture(scope="module")
-def chat(server):
-    messages: list[dict] = [{"role": "system", "content": "you answer briefly"}]
-    turns = []
-    for turn in range(TURNS):
+def converse(base: str, messages: list[dict], turns: range) -> list[dict]:
+    """Greedy chat turns through ``/v1/chat/completions``; ``messages`` grows in place."""
+    out = []
+    for turn in turns:
         messages.append({"role": "user", "content": _user_message(turn)})
-        resp = _post(server["base"] + "/v1/chat/completions",
+        resp = _post(base + "/v1/chat/completions",
                      {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS,
                       "temperature": 0.0, "ignore_eos": True})
-        turns.append(resp)
+        out.append(resp)
         messages.append({"role": "assistant", "content": resp["choices"][0]["message"]["content"] or ""})
-    # The last steps' stats reach the frontend asynchronously: wait until every planned
-    # capture settled there, then scrape twice (the idle server's numbers must stay put).
+    return out
+
+
+def settled_metrics(base: str, requests: int) -> tuple[dict, dict]:
+    """``/metrics`` once every planned capture settled at the frontend (the last steps' stats
+    arrive asynchronously), and again 2 s later (an idle server's numbers stay put)."""
     deadline, samples = time.monotonic() + 60, {}
     while time.monotonic() < deadline:
-        samples = _samples(_get(server["base"] + "/metrics")[1])
+        samples = _samples(_get(base + "/metrics")[1])
         queued = _value(samples, "vllm:sparkcache_captures_total", outcome="queued")
         done = sum(_value(samples, "vllm:sparkcache_captures_total", outcome=o)
                    for o in ("published", "publish_failed"))
-        if (_value(samples, "vllm:sparkcache_attributed_requests_total") >= TURNS and queued > 0
+        if (_value(samples, "vllm:sparkcache_attributed_requests_total") >= requests and queued > 0
                 and done >= queued and _value(samples, "vllm:sparkcache_publication_pending_slots") == 0
                 and _value(samples, "vllm:sparkcache_captures_unsettled") == 0):
             break
         time.sleep(0.5)
     time.sleep(2.0)
-    settled = _samples(_get(server["base"] + "/metrics")[1])
+    return samples, _samples(_get(base + "/metrics")[1])
+
+
+@pytest.fixture(scope="module")
+def chat(server):
+    messages: list[dict] = [{"role": "system", "content": "you answer briefly"}]
+    turns = converse(server["base"], messages, range(TURNS))
+    samples, settled = settled_metrics(server["base"], TURNS)
     return {"turns": turns, "metrics": samples, "metrics_later": settled, "log": server["log"],
             "root": server["root"]}
 

@@ -14,6 +14,7 @@ import torch
 
 from sparkcache.connector.connector import _open_store
 from sparkcache.connector.keys import BlockKeys
+from sparkcache.connector.kv_layout import describe_kv_layout
 from sparkcache.connector.scheduler_side import CapturePlan
 from sparkcache.connector.stats import COUNTERS, GAUGES
 from sparkcache.connector.worker_side import WorkerSide
@@ -42,7 +43,8 @@ def _worker(root, mode: str, **settings_extra) -> WorkerSide:
         "maintenance_interval_seconds": 0.05, **settings_extra})
     identity = Identity("maint-test", "fp32-2x2x32", BLOCK, 0, "untransformed")
     store = _open_store(settings, metrics=None)  # the connector's own choice per access mode
-    worker = WorkerSide(settings, identity, store, _kv_cache_config(), True)
+    config = _kv_cache_config()
+    worker = WorkerSide(settings, identity, store, config, describe_kv_layout(config))
     torch.manual_seed(0)
     worker.register_kv_caches({name: torch.randn(NUM_BLOCKS, 2, BLOCK, 2, 32) for name in LAYERS})
     return worker
