@@ -232,6 +232,7 @@ def summarize(result: dict) -> dict:
         "preemptions": result.get("preemptions", 0),
         "scheduler_steps": result["steps"], "simulated_seconds": round(result["sim_seconds"], 1),
         "scheduler_file": result["scheduler_file"],
+        "stalled": result.get("stalled"),  # None, or why vLLM stopped scheduling (the numbers end there)
     }
 
 
@@ -263,6 +264,9 @@ def table(summary: dict) -> str:
     row("running requests preempted", lambda s: str(s["preemptions"]))
     row("peak live contexts / KV pool", lambda s: f"{s['peak_live_context_tokens']} / "
         f"{summary['config']['kv_pool_tokens']}")
+    if any(s["stalled"] for s in summary["arms"].values()):
+        row("ran to the end", lambda s: f"**stalled at {s['simulated_seconds']} s** (cause: checks, summary.json)"
+            if s["stalled"] else "yes")
     return "\n".join(lines)
 
 
@@ -280,8 +284,12 @@ def common_local_shares(rows: list[dict], arms: tuple[str, str]) -> tuple[float,
 
 
 def checks(summary: dict, rows: list[dict]) -> list[tuple[str, bool]]:
-    """The issue's inequalities, for whichever of their arms ran: (statement with the numbers, holds)."""
-    arms, out = summary["arms"], []
+    """The issue's inequalities, for whichever of their arms ran: (statement with the numbers, holds).
+
+    An arm that stalled fails one check that names the cause; its inequalities are not
+    evaluated (its numbers end where vLLM stopped scheduling)."""
+    out = [(f"{arm} ran to the end: {s['stalled']}", False) for arm, s in summary["arms"].items() if s["stalled"]]
+    arms = {arm: s for arm, s in summary["arms"].items() if not s["stalled"]}
     un, rw = arms.get("read-write-untransformed"), arms.get("read-write")
     if un:
         out.append((f"untransformed continuation turns < 50% local {un['continuation_local_lt_50pct_fraction']:.0%}"
@@ -343,12 +351,20 @@ def run(argv: list[str] | None = None) -> dict:
 
     for arm in arms:
         arm_spec(arm, args.lease_seconds)  # unknown arm: error before any work
-    cfg = config_from(args)
-    if any(arm_spec(a, args.lease_seconds)[2] for a in arms):
+    return run_arms(config_from(args), arms, args.out, args.jobs)
+
+
+def run_arms(cfg: dict, arms: list[str], out: Path, jobs: int = 2) -> dict:
+    """Run ``arms`` on ``cfg`` (``config_from``'s), write OUT/turns.csv, summary.json and
+    trace.png, print the table and the checks; return the summary. An arm that stalls is
+    reported with its cause (``summary["arms"][arm]["stalled"]``, a failed check), never raised."""
+    from bench.replay_a_sim import arm_spec
+
+    if any(arm_spec(a, cfg["lease_seconds"])[2] for a in arms):
         transformed_tree()
-    args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="replay-a-", dir=args.out) as work:
-        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="replay-a-", dir=out) as work:
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
             results = list(pool.map(lambda a: run_arm(a, cfg, Path(work)), arms))
     rows = [r for res in results for r in res["rows"]]
     connector = {"adapter": "bench.replay_a_connector (scheduler-side adapter, real PageStore)",
@@ -356,13 +372,13 @@ def run(argv: list[str] | None = None) -> dict:
                  "real PageStore)"}[cfg["connector"]]
     summary = {"config": cfg, "connector": connector,
                "arms": {res["arm"]: summarize(res) for res in results}}
-    with open(args.out / "turns.csv", "w", newline="") as fh:
+    with open(out / "turns.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     summary["checks"] = checks(summary, rows)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot(rows, arms, args.out / "trace.png")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(rows, arms, out / "trace.png")
     print(f"seed {cfg['seed']}: starting contexts {cfg['starting_context_tokens']} tokens, expected peak "
           f"{cfg['expected_peak_context_tokens']}, KV pool {cfg['kv_pool_tokens']} tokens")
     print(table(summary))

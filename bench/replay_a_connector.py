@@ -63,8 +63,10 @@ class ReplayContext:
         times = list(self.pending_recv.values()) + [t for t, _ in self.pending_send.values()]
         return min(times) if times else None
 
-    def connector_output(self, sending: set[str], recving: set[str]) -> dict:
-        """``KVConnectorOutput`` fields of one step's reports."""
+    def connector_output(self, sending: set[str], recving: set[str]) -> dict | None:
+        """``KVConnectorOutput`` fields of one step's reports; None when there is none."""
+        if not (sending or recving):
+            return None
         return {"finished_sending": sending or None, "finished_recving": recving or None}
 
     def due(self) -> tuple[set[str], set[str]]:

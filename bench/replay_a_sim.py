@@ -206,6 +206,7 @@ def run(cfg: dict) -> dict:
     restarts, steps, peak_usage = 0, 0, 0.0
     peak_live = sum(len(a.history) for a in agents)  # the agents' current contexts, summed
     idle_steps = 0
+    stalled = None
 
     def on_scheduled(out) -> None:
         for rid, agent in by_rid.items():
@@ -233,7 +234,8 @@ def run(cfg: dict) -> dict:
                     scheduler.add_request(request)
                     agent.arrived = agent.next_arrival
         sending, recving = ctx.due()
-        if not (scheduler.has_requests() or sending or recving):
+        report = ctx.connector_output(sending, recving)  # None: the workers report nothing this step
+        if not (scheduler.has_requests() or report):
             upcoming = [a.next_arrival for a in agents if a.request is None and a.next_arrival < cfg["duration"]]
             event = ctx.next_event()
             candidates = upcoming + ([event] if event is not None else [])
@@ -255,7 +257,7 @@ def run(cfg: dict) -> dict:
             done = req.num_computed_tokens + n >= req.num_tokens
             agent = by_rid[rid]
             sampled.append([agent.plan[req.num_output_tokens]] if done else [])
-        kv_out = KVConnectorOutput(**ctx.connector_output(sending, recving)) if (sending or recving) else None
+        kv_out = KVConnectorOutput(**report) if report else None
         runner_out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                        sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                                        pooler_output=None, kv_connector_output=kv_out)
@@ -265,51 +267,60 @@ def run(cfg: dict) -> dict:
         step_s = prefill_tokens * prefill_s + (decode_step_s if decoding else 0.0)
         upcoming = [] if draining else [a.next_arrival for a in agents
                                         if a.request is None and a.next_arrival < cfg["duration"]]
-        after = clock_after_step(ctx.now, step_s, bool(sending or recving), ctx.next_event(), upcoming)
+        acted = bool(sending or recving or out.preempted_req_ids)
+        after = clock_after_step(ctx.now, step_s, acted, ctx.next_event(), upcoming)
         idle_steps = idle_steps + 1 if after == ctx.now and not (sending or recving) else 0
-        if (after is None and scheduler.has_requests()) or idle_steps > 100:  # 100: a livelock, not a wait
-            raise RuntimeError(stuck_message(arm, scheduler, ctx.now, cfg))
+        stuck = (after is None and scheduler.has_requests()) or idle_steps > 100  # 100: a livelock, not a wait
         ctx.now = ctx.now if after is None else after
         for rid in [r for r, a in by_rid.items() if RequestStatus.is_finished(a.request.status)]:
             agent = by_rid.pop(rid)
             rows.append(turn_row(cfg, arm, agent, rid, admitted.pop(rid), ctx, prefill_s, decode_step_s))
             agent.finish_turn(ctx.now)
             peak_live = max(peak_live, sum(len(a.history) for a in agents))
+        if stuck:  # reported with the arm's results so far, never raised (bench.replay_a prints it)
+            stalled = stuck_message(scheduler, ctx.now, cfg, idle_steps > 100)
+            break
     shutil.rmtree(store_root, ignore_errors=True)
     return {"arm": arm, "rows": rows, "steps": steps, "restarts": restarts, "peak_kv_usage": peak_usage,
             "captures": ctx.captures, "captured_bytes": ctx.captured_bytes,
             "publish_failures": ctx.publish_failures, "sim_seconds": ctx.now,
             "evicted_cached_blocks": ctx.evicted_cached_blocks, "peak_live_context_tokens": peak_live,
-            "preemptions": ctx.preemptions}
+            "preemptions": ctx.preemptions, "stalled": stalled}
 
 
-def clock_after_step(now: float, step_s: float, delivered: bool, event: float | None,
+def clock_after_step(now: float, step_s: float, acted: bool, event: float | None,
                      upcoming: list[float]) -> float | None:
     """The simulated time after one scheduler step; None when nothing is left to wait for.
 
-    A step that ran tokens takes its modelled time. A step that ran nothing but delivered
-    finished_sending/finished_recving takes none: vLLM acts on those reports at its next
-    ``schedule()`` (a restored request leaves WAITING_FOR_REMOTE_KVS there; freed blocks admit
-    a waiting one), so the loop steps again at once. Otherwise the clock jumps to the next
-    restore or capture completion or agent arrival (an event due now is delivered next step).
+    A step that ran tokens takes its modelled time. A step that ran nothing but changed what
+    vLLM will do (``acted``) takes none, and the loop steps again at once, as vLLM's engine
+    core does: vLLM acts on finished_sending/finished_recving at its next ``schedule()`` (a
+    restored request leaves WAITING_FOR_REMOTE_KVS there; freed blocks admit a waiting one),
+    and a step that preempted a request admits no waiting request (``schedule()`` skips the
+    waiting queue when it preempted), so the blocks it freed are used at the next step.
+    Otherwise the clock jumps to the next restore or capture completion or agent arrival
+    (an event due now is delivered next step).
     """
     if step_s > 0.0:
         return now + step_s
-    if delivered:
+    if acted:
         return now
     nxt = min([t for t in [event, *upcoming] if t is not None], default=None)
     return None if nxt is None else max(now, nxt)
 
 
-def stuck_message(arm: str, scheduler, now: float, cfg: dict) -> str:
-    """Why the replay cannot go on: requests vLLM holds but will not schedule, with nothing pending."""
+def stuck_message(scheduler, now: float, cfg: dict, livelock: bool = False) -> str:
+    """Why the arm stopped: requests vLLM holds but will not schedule, with nothing pending."""
     pool = scheduler.kv_cache_manager.block_pool
     held = ", ".join(f"{rid} ({r.status.name}, prompt {r.num_prompt_tokens}, computed {r.num_computed_tokens})"
                      for rid, r in scheduler.requests.items())
-    return (f"{arm}: scheduler stuck at t={now:.1f} s: vLLM holds {held or 'no request'} but schedules nothing, "
-            f"and no restore, capture or arrival is pending ({pool.get_num_free_blocks()} of "
-            f"{pool.num_gpu_blocks} blocks free, --kv-pool-tokens {cfg['kv_pool_tokens']}); "
-            "a replay-loop or connector bug: rerun with a larger --kv-pool-tokens to tell it from pool pressure")
+    what = ("ran 100 steps in a row without a token or a report" if livelock else
+            "schedules nothing, and no restore, capture or arrival is pending")
+    return (f"scheduler stuck at t={now:.1f} s: vLLM holds {held or 'no request'} but {what} "
+            f"({pool.get_num_free_blocks()} of {pool.num_gpu_blocks} blocks free, --kv-pool-tokens "
+            f"{cfg['kv_pool_tokens']}); the arm's numbers cover the turns that finished before it. A request "
+            "that cannot fit in the pool waits forever in vLLM: rerun with a larger --kv-pool-tokens to tell "
+            "pool pressure from a replay-loop or connector bug")
 
 
 def turn_row(cfg, arm, agent, rid, adm, ctx, prefill_s, decode_step_s) -> dict:

@@ -1,22 +1,26 @@
 """Replay A with the real connector's scheduler side: ``sparkcache.connector`` + an emulated worker.
 
 vLLM loads the real ``SparkcacheConnector`` (scheduler role); its ``SchedulerSide`` makes every
-decision: offers, load plans, capture plans, delayed frees and the settle bookkeeping. The
-worker is emulated on the replay's simulated clock, through the real ``PageStore`` the
-connector opened:
+decision on the replay's hybrid layout (full attention + Mamba "align": ``SchedulerSide.hybrid``):
+offers (entries with a recurrent state at exactly their depth), load plans, capture plans from
+vLLM's boundary-state offers, and the settle bookkeeping. The worker is emulated on the
+replay's simulated clock, through the real ``PageStore`` the connector opened:
 
-- a load plan is read from the store (real, verified read of the planned keys) and reported
-  ``finished_recving`` (``failed_recving`` when the read fails) after the modelled restore time;
-- a capture plan is published after the modelled capture time of its new pages (pages the
-  plan reuses go in as ``None``, copy-on-write growth), then reported ``finished_sending`` and
-  settled (``SparkcacheWorkerMetadata``), as the real worker reports it.
+- a load plan is read from the store (real, verified read of the planned pages and of the
+  entry's recurrent state object, which must end exactly at the plan's end block and hold the
+  stand-in state published for those keys) and reported ``finished_recving``
+  (``failed_recving`` when the read fails) after the modelled restore time;
+- a capture plan carrying ``state_block_ids`` (planned in the step whose forward writes the
+  boundary state, not at request finish: vLLM holds no block for it, so no
+  ``finished_sending``) is published with its pages (pages the plan reuses go in as
+  ``None``, copy-on-write growth) and a stand-in state after the modelled capture time of its
+  new pages, then settled (``SparkcacheWorkerMetadata.settled``), as the real worker reports
+  it. A plan without a state (a finished request's capture) is also reported
+  ``finished_sending``, which releases the blocks vLLM held for it.
 
-Page bytes are small stand-ins derived from the keys; the modelled byte size is tracked apart.
-
-One deviation, named where it is made (``attach``): the real scheduler side plans no capture on
-a layout with recurrent groups (``SchedulerSide.attention_only`` is False: its worker cannot copy
-recurrent state yet). The emulated worker "captures" the state with its blocks, so the replay
-lifts that one gate; everything else runs unchanged.
+Page and state bytes are small stand-ins derived from the keys; the modelled byte size of the
+pages is tracked apart (the recurrent state, a fixed size per request, is left out of the time
+model: megabytes against the pages' gigabytes).
 """
 
 from __future__ import annotations
@@ -39,26 +43,45 @@ def connector_config(ctx: ReplayContext, extra: dict, store_root: Path) -> dict:
             "kv_connector_extra_config": {**extra, **settings}}
 
 
+STANDIN_STATE_BYTES = 64
+
+
+def standin_state(keys: list) -> bytes:
+    """The stand-in recurrent state after the last of ``keys`` (what a capture publishes and a
+    load must read back)."""
+    return hashlib.sha256(("state:" + "".join(map(str, keys))).encode()).digest() * (STANDIN_STATE_BYTES // 32)
+
+
 @dataclass
 class WorkerContext(ReplayContext):
     """``ReplayContext`` whose due captures are capture plans, published as the worker would."""
 
     settled: list[str] = field(default_factory=list)
     failed_recv: set[str] = field(default_factory=set)
+    state_captures: list[tuple[float, Any]] = field(default_factory=list)  # (published at, plan)
 
-    def connector_output(self, sending: set[str], recving: set[str]) -> dict:
+    def next_event(self) -> float | None:
+        times = [t for t, _ in self.state_captures] + [t for t in [super().next_event()] if t is not None]
+        return min(times, default=None)
+
+    def connector_output(self, sending: set[str], recving: set[str]) -> dict | None:
         failed = self.failed_recv & recving
         self.failed_recv -= failed
-        return {**super().connector_output(sending, recving), "failed_recving": failed or None,
-                "kv_connector_worker_meta": self.worker_meta()}
+        meta = self.worker_meta()
+        if not (sending or recving or meta):
+            return None
+        return {"finished_sending": sending or None, "finished_recving": recving or None,
+                "failed_recving": failed or None, "kv_connector_worker_meta": meta}
 
     def due(self) -> tuple[set[str], set[str]]:
         sending = {r for r, (t, _) in self.pending_send.items() if t <= self.now}
         recving = {r for r, t in self.pending_recv.items() if t <= self.now}
-        for rid in sorted(sending):
-            _, plan = self.pending_send.pop(rid)
+        plans = [self.pending_send.pop(rid)[1] for rid in sorted(sending)]
+        plans += [plan for t, plan in self.state_captures if t <= self.now]
+        self.state_captures = [(t, plan) for t, plan in self.state_captures if t > self.now]
+        for plan in plans:
             self.publish_plan(plan)
-            self.settled.append(rid)
+            self.settled.append(plan.req_id)  # one report per plan (one worker)
         for rid in recving:
             self.pending_recv.pop(rid)
         return sending, recving
@@ -76,7 +99,8 @@ class WorkerContext(ReplayContext):
             chunk = plan.keys[i * bpp:(i + 1) * bpp]
             digest = hashlib.sha256("".join(map(str, chunk)).encode()).digest()
             pages.append(None if i < plan.reuse_pages else digest * (STANDIN_BYTES_PER_BLOCK * len(chunk) // 32))
-        if not self.store.publish(self.identity, plan.keys, pages).ok:
+        state = standin_state(plan.keys) if plan.state_block_ids is not None else None
+        if not self.store.publish(self.identity, plan.keys, pages, blocks_per_page=bpp, state=state).ok:
             self.publish_failures += 1
 
 
@@ -86,10 +110,11 @@ def attach(scheduler: Any, ctx: WorkerContext) -> None:
     side = connector._sched
     if side is None:
         raise RuntimeError("the replay needs SparkcacheConnector in the scheduler role")
+    if not side.hybrid:
+        raise RuntimeError(f"the replay's KV layout (full attention + Mamba align) should be hybrid for "
+                           f"sparkcache.connector, got {side.layout.kind.name}: {side.layout.unsupported or '-'}")
     if side.store is not None:  # restore-only opens no store where nothing was ever published
         ctx.store, ctx.identity = side.store, side.identity
-    # The deviation (module docstring): plan captures on this hybrid layout.
-    side.attention_only = True
     ask, build = connector.get_num_new_matched_tokens, connector.build_connector_meta
 
     def get_num_new_matched_tokens(request, num_computed_tokens):
@@ -102,7 +127,11 @@ def attach(scheduler: Any, ctx: WorkerContext) -> None:
             start_loading(ctx, plan)
         for plan in meta.captures:
             new_blocks = len(plan.keys) - plan.reuse_pages * ctx.store.page_blocks
-            ctx.pending_send[plan.req_id] = (ctx.now + new_blocks * ctx.kv_bytes_per_block / ctx.capture_bps, plan)
+            done = ctx.now + new_blocks * ctx.kv_bytes_per_block / ctx.capture_bps
+            if plan.state_block_ids is None:  # a finished request's: vLLM holds its blocks until finished_sending
+                ctx.pending_send[plan.req_id] = (done, plan)
+            else:  # copied after this step's forward; published and settled later, no block held
+                ctx.state_captures.append((done, plan))
             ctx.captures += 1
             ctx.captured_bytes += new_blocks * ctx.kv_bytes_per_block
         return meta
@@ -113,11 +142,32 @@ def attach(scheduler: Any, ctx: WorkerContext) -> None:
 
 def start_loading(ctx: WorkerContext, plan: Any) -> None:
     n_blocks = len(plan.keys) - plan.start_block
-    found = ctx.store.lookup(ctx.identity, plan.keys)
-    read_ok = bool(found.hit and found.hit_blocks >= len(plan.keys)
-                   and ctx.store.read(found.handle, len(plan.keys)).ok)
     seconds = n_blocks * ctx.kv_bytes_per_block / ctx.restore_bps
+    read_ok = read_plan(ctx, plan)
     ctx.pending_recv[plan.req_id] = ctx.now + seconds
     ctx.loads[plan.req_id] = {"tokens": n_blocks * ctx.block_size, "seconds": seconds, "read_ok": read_ok}
     if not read_ok:
         ctx.failed_recv.add(plan.req_id)  # reported failed_recving, as the real worker does
+
+
+def read_plan(ctx: WorkerContext, plan: Any) -> bool:
+    """The verified read the real worker makes: the pages of the entry the scheduler's lookup
+    found (looked up again, with its state, when the plan carries none) and the recurrent state
+    after exactly the plan's end block."""
+    from sparkcache.connector.scheduler_side import StoredPages
+    from sparkcache.store.objects import ObjectError
+
+    end = len(plan.keys)
+    stored = plan.stored
+    if stored is None:
+        found = ctx.store.lookup(ctx.identity, plan.keys, with_state=True)
+        if not (found.hit and found.hit_blocks == end):
+            return False
+        stored = StoredPages.of(found.handle, plan.start_block, end)
+    if stored.state is None or stored.block_count != end:
+        return False  # a hybrid load resumes only where a state was taken
+    try:
+        *_, state = ctx.store.objects.read_many_verified([*stored.pages, stored.state])
+    except ObjectError:
+        return False
+    return bytes(state) == standin_state(plan.keys)

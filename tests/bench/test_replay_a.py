@@ -121,6 +121,38 @@ def test_reports_alone_advance_no_clock():
     assert clock_after_step(100.0, 2.5, False, 101.0, []) == 102.5
 
 
+def test_a_preempting_step_is_not_a_stall(tmp_path):
+    # Seed 2929, 2 agents at 6000-9000 once stopped the untransformed arm "stuck" at t=1440.7 s
+    # with a preempted request at the head of the waiting queue and 533 of 953 blocks free:
+    # vLLM's schedule() admits no waiting request in a step that preempted, so that step ran no
+    # tokens, and the loop took it for idle instead of letting vLLM use the freed blocks.
+    from bench.replay_a_sim import clock_after_step
+
+    assert clock_after_step(1440.7, 0.0, True, None, []) == 1440.7
+    summary = replay_a.run(["--out", str(tmp_path), "--seed", "2929", "--agents", "2", "--start-tokens",
+                            "6000,9000", "--growth-tokens", "80", "--arms", "read-write-untransformed"])
+    un = summary["arms"]["read-write-untransformed"]
+    assert un["preemptions"] > 0 and un["stalled"] is None, un
+    assert all(ok for _, ok in summary["checks"]), summary["checks"]
+
+
+def test_a_stalled_arm_is_reported_and_the_others_still_checked(normal):
+    summary, out = normal
+    rows = list(csv.DictReader(open(out / "turns.csv")))
+    for r in rows:  # csv gives strings; checks() reads these as numbers and booleans
+        r.update(local_tokens=int(r["local_tokens"]), prompt_tokens=int(r["prompt_tokens"]),
+                 continuation=r["continuation"] == "True")
+    cause = "scheduler stuck at t=1440.7 s: vLLM holds a0-t7 (PREEMPTED, prompt 8475, computed 0)"
+    stalled = {**summary, "arms": {**summary["arms"], "read-write-untransformed": {
+        **summary["arms"]["read-write-untransformed"], "stalled": cause}}}
+    got = replay_a.checks(stalled, rows)
+    assert (f"read-write-untransformed ran to the end: {cause}", False) in got
+    assert not any(text.startswith("untransformed") for text, _ in got)  # its numbers end early
+    assert [c for c in got if "read-write-untransformed" not in c[0]] == [
+        c for c in replay_a.checks(summary, rows) if not c[0].startswith("untransformed")]
+    assert "| ran to the end | yes | **stalled at" in replay_a.table(stalled)
+
+
 def test_refuses_a_pool_smaller_than_one_request(tmp_path):
     # One agent at 5000-10000: 1.08 x its start cannot hold the conversation it grows into.
     with pytest.raises(SystemExit, match="--kv-pool-tokens .* raise --kv-pool-tokens or --kv-pool-headroom"):
