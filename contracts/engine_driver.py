@@ -14,7 +14,9 @@ optional, defaults shown), e.g. with an adapter from ``sparkcache.tinymodel.make
 with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
 sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`` (e.g.
 ``"align"``) is passed to vLLM for hybrid models; ``"logprobs": true`` reports each output
-token's logprob; ``"chain": true`` makes a conversation: each prompt after the first is the
+token's logprob; ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
+process each (on CPU give each its core: ``VLLM_CPU_OMP_THREADS_BIND``, and keep gloo on
+loopback: ``GLOO_SOCKET_IFNAME=lo``, ``VLLM_HOST_IP=127.0.0.1``); ``"chain": true`` makes a conversation: each prompt after the first is the
 previous prompt, its output and then its own ids.
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
@@ -63,7 +65,7 @@ def run(cfg: dict) -> dict:
               max_model_len=cfg.get("max_model_len", 4096), block_size=cfg.get("block_size", 32),
               kv_transfer_config=kvt, disable_log_stats=False, seed=0,
               max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096), **lora_kwargs,
-              **hybrid_kwargs)
+              **hybrid_kwargs, tensor_parallel_size=cfg.get("tensor_parallel_size", 1))
     startup_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
                             logprobs=0 if cfg.get("logprobs") else None)
@@ -120,6 +122,7 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
     env = dict(os.environ, **extra, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [first, str(cwd), os.environ.get("PYTHONPATH")])))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    shm_before = _shm_entries()
     # Files, not pipes, so a straggler that inherited them cannot keep us waiting.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen([sys.executable, "-m", *command, json.dumps(cfg)],
@@ -133,6 +136,7 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            _remove_new_shm(shm_before)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
@@ -143,6 +147,30 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
             return result
     raise RuntimeError(f"engine life `python -m {' '.join(command)} '<cfg>'` failed (rc={p.returncode}, "
                        f"timeout {timeout} s); its output ends:\n{stdout[-4000:]}\n{stderr[-8000:]}")
+
+
+_SHM = Path("/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {e.name for e in os.scandir(_SHM)}
+    except OSError:
+        return set()
+
+
+def _remove_new_shm(before: set[str]) -> None:
+    """Remove the shared-memory segments this life left (vLLM's multi-process workers and
+    its CPU all-reduce create some and, killed, never unlink them): the entries of /dev/shm
+    that are new since it started and owned by this user. Engine lives run one at a time."""
+    uid = os.getuid()
+    for name in _shm_entries() - before:
+        path = _SHM / name
+        try:
+            if path.lstat().st_uid == uid and not path.is_dir():
+                path.unlink()
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from sparkcache.metrics import StoreMetrics
 from sparkcache.settings import SettingsError, load_settings
 from sparkcache.store import PageStore
 
-from .identity import make_identity
+from .identity import make_identity, shard_identities
 from .kv_layout import KVLayout, LayoutKind
 from .scheduler_side import CapturePlan, LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
@@ -141,8 +141,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
                                              declared_weights=declared)
             _report_layout(layout)
             store = _open_store(self.settings, metrics=None)
-            self._sched = SchedulerSide(self.settings, identity, store, self.block_size,
-                                        layout, len(kv_cache_config.kv_cache_groups))
+            self._sched = SchedulerSide(self.settings, shard_identities(vllm_config, identity), store,
+                                        self.block_size, layout, len(kv_cache_config.kv_cache_groups))
             self._sched.num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         else:
             rank, ranks = _worker_ranks()

@@ -129,11 +129,12 @@ class SchedulerCounters:
 
 
 class SchedulerSide:
-    def __init__(self, settings: Any, identity: Any, store: Any, block_size: int,
+    def __init__(self, settings: Any, identities: tuple[Any, ...], store: Any, block_size: int,
                  layout: KVLayout, num_groups: int) -> None:
         self.settings = settings
         self.mode = settings.access_mode if settings.enabled else "disabled"
-        self.identity = identity
+        self.identities = identities  # one per rank's shard (``shard_identities``); rank 0's first
+        self.identity = identities[0]
         self.store = store
         self.block_size = block_size
         self.layout = layout
@@ -229,14 +230,36 @@ class SchedulerSide:
         keys = self._keys(st, n_blocks)
         if keys is None:
             return 0, False
-        result = self.store.lookup(self.identity, keys, with_state=self.hybrid)
-        offered = result.hit_blocks * bs - num_computed_tokens if result.hit else 0
+        depth, handle = self._stored_depth(keys, with_state=self.hybrid)
+        offered = depth * bs - num_computed_tokens
         if offered < max(1, self.settings.min_span_tokens):
             offered = 0
         st.last_query = (num_computed_tokens, offered)
         if offered:
-            st.last_found = result.handle
+            st.last_found = handle
         return offered, offered > 0 and not self.sync_loads
+
+    def _stored_depth(self, keys: list[str], with_state: bool = False) -> tuple[int, Any]:
+        """How many leading blocks of ``keys`` every rank's shard holds (``with_state``: the
+        deepest depth at which every rank's entry ends with its recurrent state), and rank
+        0's entry handle there. One rank's shard missing or shallower lowers the depth for
+        all: vLLM restores all ranks or none, so an offer another rank cannot honour would
+        cost a read, a refusal and a recompute, and a capture that sees it missing publishes
+        it again. Every lookup refreshes that rank's entry in LRU order, so ranks age alike."""
+        depth, handle = len(keys), None
+        for _ in range(len(self.identities) + 1):  # each pass only lowers the depth
+            settled = True
+            for rank, identity in enumerate(self.identities):
+                found = self.store.lookup(identity, keys[:depth], with_state=with_state)
+                if not found.hit:
+                    return 0, None
+                if found.hit_blocks < depth:
+                    depth, settled = found.hit_blocks, False
+                elif rank == 0:
+                    handle = found.handle
+            if settled:
+                return depth, handle
+        return 0, None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -315,10 +338,9 @@ class SchedulerSide:
         keys = self._keys(st, n_blocks)
         if keys is None:
             return None
-        if self.store.lookup(self.identity, keys, with_state=True).hit_blocks == n_blocks:
-            return None  # already stored, state included
-        found = self.store.lookup(self.identity, keys)
-        reuse_pages = (found.hit_blocks if found.hit else 0) // self.bpp
+        if self._stored_depth(keys, with_state=True)[0] == n_blocks:
+            return None  # every rank holds it, state included
+        reuse_pages = self._stored_depth(keys)[0] // self.bpp
         first = reuse_pages * self.bpp
         ids = [list(table[g][first:n_blocks]) if g in self.layout.page_groups else []
                for g in range(self.num_groups)]
@@ -355,13 +377,15 @@ class SchedulerSide:
             if req_id in self.awaiting_recv_free:
                 self.awaiting_recv_free.discard(req_id)
                 self.reqs.pop(req_id, None)
+                if st is not None:
+                    self._count_restore(req_id not in failed, st.load_tokens)
                 continue
             if st is None or st.load_plan is None:
                 continue  # late or unknown: ignore
+            self._count_restore(req_id not in failed, st.load_tokens)
             if req_id in failed:
                 st.restore_refused = True
                 st.record.failed_restores += 1
-                self.counters.add("restores_failed_sched")
             else:
                 st.load_done_ok = st.load_tokens
             st.load_plan, st.load_tokens = None, 0
@@ -371,6 +395,7 @@ class SchedulerSide:
         for req_id in getattr(worker_meta, "sync_loaded", ()) or ():
             st = self.reqs.get(req_id)
             if st is not None:
+                self._count_restore(True, st.sync_consumed)
                 st.sync_consumed = 0
         for req_id in getattr(worker_meta, "sync_failed", ()) or ():
             # Nothing was placed; vLLM recomputes from the first invalid block (or fails the
@@ -382,13 +407,22 @@ class SchedulerSide:
             st.record.failed_restores += 1
             st.record.restore_undone(st.sync_consumed)
             st.sync_consumed = 0
-            self.counters.add("restores_failed_sched")
+            self._count_restore(False, 0)
         for req_id in getattr(worker_meta, "settled", ()) or ():
             owed, deadline = self.unsettled.get(req_id, (0, 0.0))
             if owed > 1:
                 self.unsettled[req_id] = (owed - 1, deadline)
             else:
                 self.unsettled.pop(req_id, None)
+
+    def _count_restore(self, ok: bool, tokens: int) -> None:
+        """One request's restore, counted once: vLLM reports it (the union of every rank's
+        refusals) here, however many ranks placed their shards; bytes are the workers'."""
+        self.counters.add("restores_ok" if ok else "restores_failed")
+        if ok:
+            self.counters.add("restored_tokens", tokens)
+        if self.layout.has_state:
+            self.counters.add("state_restores_ok" if ok else "state_restores_failed")
 
     # ------------------------------------------------------------------ finish
 
@@ -427,10 +461,9 @@ class SchedulerSide:
         keys = self._keys(st, n_blocks)
         if keys is None:
             return None
-        found = self.store.lookup(self.identity, keys)
-        depth = found.hit_blocks if found.hit else 0
+        depth = self._stored_depth(keys)[0]
         if depth >= n_blocks:
-            return None  # already stored
+            return None  # every rank holds it
         reuse_pages = depth // self.bpp
         first = reuse_pages * self.bpp
         return CapturePlan(request.request_id, keys, reuse_pages,

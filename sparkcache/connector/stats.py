@@ -25,18 +25,21 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                            "attr_recomputed_tokens": "recomputed"}),
     "attributed_requests": ("Finished requests with an attribution record.", "complete",
                             {"attr_requests_complete": "true", "attr_requests_incomplete": "false"}),
-    "restores": ("Restores by outcome.", "outcome",
+    "restores": ("Restores by outcome, once per request however many ranks placed their shards "
+                 "(refused: any rank refused, vLLM recomputes on all).", "outcome",
                  {"restores_ok": "ok", "restores_failed": "refused"}),
-    "restored_tokens": ("Tokens placed into the KV cache by verified restores.", None,
+    "restored_tokens": ("Prompt tokens restored by verified restores, once per request (not per "
+                        "rank).", None,
                         {"restored_tokens": ""}),
     "restored_bytes": ("Bytes placed into the KV cache by verified restores, by kind: attention "
-                       "pages, or the recurrent (Mamba / linear-attention) state of a hybrid model.",
+                       "pages, or the recurrent (Mamba / linear-attention) state of a hybrid model; "
+                       "summed over ranks (each places its own shard).",
                        "kind", {"restored_page_bytes": "page", "restored_state_bytes": "state"}),
     "state_restores": ("Restores of a hybrid model (attention pages plus the recurrent state at "
                        "their depth, placed together or not at all), by outcome.", "outcome",
                        {"state_restores_ok": "ok", "state_restores_failed": "refused"}),
     "captured_bytes": ("Bytes copied out of the KV cache for publication, by kind (page or "
-                       "recurrent state).", "kind",
+                       "recurrent state), summed over ranks.", "kind",
                        {"captured_page_bytes": "page", "captured_state_bytes": "state"}),
     "load_failures": ("Restores refused (corrupt, absent or unreadable); the request recomputes.",
                       None, {"restores_failed": ""}),
@@ -49,7 +52,7 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                             {"objects_quarantined": ""}),
     "offered_tokens": ("Tokens offered to the scheduler beyond the local hit.", None,
                        {"offered_tokens": ""}),
-    "captures": ("Captures by outcome.", "outcome",
+    "captures": ("Captures by outcome, one per rank's shard.", "outcome",
                  {"captures_queued": "queued", "captures_published": "published",
                   "captures_publish_failed": "publish_failed",
                   "captures_skipped_slots_full": "skipped_slots_full",

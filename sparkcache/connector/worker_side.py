@@ -148,16 +148,9 @@ class WorkerSide:
             self.finished_recving.add(plan.req_id)
             if not ok:
                 self.failed_recving.add(plan.req_id)
-        if placed is not None:
-            self._add("restores_ok")
-            self._add("restored_tokens", sum(len(ids) for ids in plan.block_ids[:1]) *
-                      self.identity.block_size)
+        if ok:  # how many requests restored is the scheduler's count (once, not per rank)
             self._add("restored_page_bytes", placed[0])
             self._add("restored_state_bytes", placed[1])
-        else:
-            self._add("restores_failed")
-        if self.layout.has_state:
-            self._add("state_restores_ok" if placed is not None else "state_restores_failed")
 
     def _load(self, plan: Any) -> tuple[int, int] | None:
         """Read, verify and place; returns the (page, state) bytes placed, or None when the
@@ -259,7 +252,7 @@ class WorkerSide:
         if plan.stored is not None and plan.stored.identity_digest == self.identity_digest:
             return plan.stored
         end = len(plan.keys)
-        found = self.store.lookup(self.identity, plan.keys)
+        found = self.store.lookup(self.identity, plan.keys, with_state=self.layout.has_state)
         if not found.hit or found.hit_blocks < end:
             logger.warning("sparkcache: restore of %s refused: %s %s", plan.req_id,
                            found.reason, found.detail)

@@ -16,9 +16,9 @@ BS = 16
 
 
 def make_scheduler(root: str, num_blocks: int = 200, max_num_batched_tokens: int = 8192,
-                   extra: dict | None = None, hybrid: bool = True):
+                   extra: dict | None = None, hybrid: bool = True, tensor_parallel_size: int = 1):
     import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -40,6 +40,7 @@ def make_scheduler(root: str, num_blocks: int = 200, max_num_batched_tokens: int
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True,
                                  mamba_cache_mode="align" if hybrid else "none"),
         kv_transfer_config=kvt,
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     groups = [KVCacheGroupSpec(["attn"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1,
@@ -55,10 +56,11 @@ def make_scheduler(root: str, num_blocks: int = 200, max_num_batched_tokens: int
                      block_size=BS, hash_block_size=BS, log_stats=True)
 
 
-def store_prefix(scheduler, tokens: list[int]) -> int:
-    """Publish the whole blocks of ``tokens`` into the connector's store (page and state
-    bytes are irrelevant to the scheduler side; a hybrid layout's entry carries a state, as
-    its worker publishes it). Returns the stored tokens."""
+def store_prefix(scheduler, tokens: list[int], ranks: Iterable[int] | None = None) -> int:
+    """Publish the whole blocks of ``tokens`` into the connector's store as every rank's
+    worker would (``ranks``: only these ranks' shards; page and state bytes are irrelevant to
+    the scheduler side; a hybrid layout's entry carries a state, as its worker publishes it).
+    Returns the stored tokens."""
     from sparkcache.connector.keys import BlockKeys
 
     side = scheduler.connector._sched
@@ -67,7 +69,8 @@ def store_prefix(scheduler, tokens: list[int]) -> int:
     bpp = side.bpp
     pages = [bytes([p % 251]) * 64 for p in range(-(-n // bpp))]
     state = b"\x00" * 8 if side.hybrid else None
-    assert side.store.publish(side.identity, keys, pages, state=state).ok
+    for rank in range(len(side.identities)) if ranks is None else ranks:
+        assert side.store.publish(side.identities[rank], keys, pages, state=state).ok
     return n * BS
 
 

@@ -93,7 +93,7 @@ def test_object_gone_after_the_lookup_fails_the_load_and_places_nothing(publishe
     worker.load(plan)
     assert worker.take_results()[1:] == ({"r"}, {"r"})
     assert all(not worker.kv[n][dest].any() for n in worker.kv)  # not even the first page
-    assert worker.counters["restores_failed"] == 1
+    assert not worker.counters.get("restored_page_bytes")  # the refusal is counted by the scheduler
 
 
 def test_entry_published_in_another_page_size_is_placed_by_its_own(tmp_path, published):
