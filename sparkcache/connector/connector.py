@@ -74,6 +74,24 @@ def _settings_from(vllm_config: Any):
     return settings
 
 
+def _refuse_unsupported_parallel(vllm_config: Any, settings: Any) -> None:
+    """Tensor and pipeline parallelism: every rank stores its own shard of an entry (its heads,
+    its layers) under its own identity. Context parallelism (decode or prefill) spreads one
+    block's tokens over ranks, which sparkcache's pages (whole blocks per rank) do not
+    describe: refused at startup rather than stored wrong."""
+    if not settings.enabled or settings.access_mode == "disabled":
+        return
+    pc = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(pc, name, 1) or 1)
+        if size > 1:
+            raise SettingsError(
+                f"sparkcache connector: parallel_config.{name}={size} is not supported: context "
+                "parallelism spreads one block's tokens over ranks, and sparkcache stores whole "
+                f"blocks per rank. Fix: run with {name}=1 (tensor and pipeline parallelism are "
+                "supported), or switch the store off with SPARKCACHE_ENABLED=0")
+
+
 def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
     mode = settings.access_mode if settings.enabled else "disabled"
     if mode == "disabled":
@@ -131,6 +149,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _ensure_log_handler()
         self.settings = _settings_from(vllm_config)
+        _refuse_unsupported_parallel(vllm_config, self.settings)
         self.mode = self.settings.access_mode if self.settings.enabled else "disabled"
         self.block_size = int(vllm_config.cache_config.block_size)
         self._sched: SchedulerSide | None = None

@@ -15,6 +15,10 @@ all-reduce on loopback. One module-scoped sequence of engine lives on one store 
    ranks; B is not offered (its shard is gone); both outputs identical, both captured again;
 5. TP=2 after that: both restored again, identical;
 6. TP=1, restore-only, on the TP=2 store: nothing restored (another TP size holds other heads).
+
+And the long-memory tiny NemotronH of ``test_engine_hybrid`` (Mamba2 + attention) at TP=2:
+reference, cold, restored: each rank publishes and restores its pages and its share of the
+recurrent state; tokens identical.
 """
 
 from __future__ import annotations
@@ -86,6 +90,18 @@ def lives(tiny_model, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def hybrid_lives(hybrid_model, tmp_path_factory):
+    from .test_engine_hybrid import HYBRID, PROMPT
+
+    root = tmp_path_factory.mktemp("hybrid-store")
+    base = {"model": hybrid_model, "prompts": [PROMPT], **HYBRID, "tensor_parallel_size": 2}
+    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64}}
+    env = _tp_env()
+    return {"reference": run_engine({**base, "connector": "none"}, timeout=600, env=env),
+            "cold": run_engine(rw, timeout=600, env=env), "restored": run_engine(rw, timeout=600, env=env)}
+
+
 def _records(result: dict) -> list[dict]:
     return [r["kv_transfer_params"]["sparkcache"] for r in result["results"]]
 
@@ -128,3 +144,14 @@ def test_another_tp_size_restores_nothing(lives):
     tp1 = lives["tp1"]
     assert [r["external_tokens"] for r in _records(tp1)] == [0, 0]
     assert metric(tp1, "vllm:sparkcache_restored_tokens") == 0
+
+
+def test_a_hybrid_model_at_tp2_restores_pages_and_state_with_identical_tokens(hybrid_lives):
+    from .test_engine_hybrid import REUSABLE as HYBRID_REUSABLE
+
+    assert _tokens(hybrid_lives["cold"]) == _tokens(hybrid_lives["reference"])
+    restored = hybrid_lives["restored"]
+    assert _tokens(restored) == _tokens(hybrid_lives["reference"])
+    assert [r["external_tokens"] for r in _records(restored)] == [HYBRID_REUSABLE]
+    assert metric(restored, "vllm:sparkcache_state_restores", outcome="ok") == 1  # once, not per rank
+    assert metric(restored, "vllm:sparkcache_restored_bytes", kind="state") > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -69,3 +70,22 @@ def test_a_hit_refreshes_every_rank_shard(tmp_path):
         os.utime(path, (1_000_000_000, 1_000_000_000))
     assert _offered(s, prompt) == 192
     assert all(os.stat(path).st_mtime > 1_000_000_000 for path in paths)
+
+
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallel_is_refused_at_startup_with_the_fix(tmp_path, name):
+    from vllm.config import ParallelConfig, VllmConfig
+
+    from sparkcache.connector.connector import _refuse_unsupported_parallel
+    from sparkcache.settings import SettingsError, load_settings
+
+    on = load_settings(env={}, extra_config={"root": str(tmp_path)})
+    # vLLM 0.32.0's V1 runner refuses prefill context parallel in VllmConfig itself; the
+    # connector refuses it too, for a runner that would not
+    cp = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2, **{name: 2}))
+    with pytest.raises(SettingsError, match=f"parallel_config.{name}=2 is not supported.*Fix: run with {name}=1"):
+        _refuse_unsupported_parallel(cp, on)
+    # the store switched off stores nothing wrong; tensor and pipeline parallelism are supported
+    _refuse_unsupported_parallel(cp, load_settings(env={"SPARKCACHE_ENABLED": "0"}, extra_config={"root": str(tmp_path)}))
+    _refuse_unsupported_parallel(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2,
+                                                                           pipeline_parallel_size=2)), on)
