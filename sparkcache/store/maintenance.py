@@ -8,7 +8,9 @@ still fits):
   2. reads live publications' intents, then re-lists manifests (nothing in flight is lost);
   3. plans: TTL-expired entries, then least-recently-used entries until the projected use
      is at or under the low watermark (only while above max, or still draining toward low);
-     pinned entries are never planned;
+     pinned entries are never planned; the shards that tensor-parallel ranks published of
+     one entry (``shard_units``) are planned and evicted together, or not at all when one
+     of them is pinned;
   4. first finishes what earlier passes left (fsync, deferred objects), then evicts while
      the budget (entries, bytes, milliseconds) allows: manifests first (parallel batches),
      one fsync of their directories, then the objects only they referenced (parallel
@@ -22,6 +24,7 @@ A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -219,19 +222,24 @@ def _drop_planned(store: Any, plan: _Plan, budget: PassBudget, clock: PassClock)
             pending = pending if pending is not None else next(plan.items, None)
             break
         paths = []
-        while len(paths) < _DROP_BATCH:
+        while True:
             item = pending if pending is not None else next(plan.items, None)
             pending = None
             if item is None:
                 break
-            entry_id, est, expired = item
-            if paths and not clock.fits("unlink_batch", reserve=reserve):
+            entry_id, est, expired, joined = item
+            # a shard joined to the entry before it goes with it, past any budget: a unit
+            # is never split between passes
+            if not joined and len(paths) >= _DROP_BATCH:
+                pending = item
+                break
+            if not joined and paths and not clock.fits("unlink_batch", reserve=reserve):
                 stopped_by, pending = "time", item  # forgetting entries costs CPU too
                 break
-            if evicted >= budget.max_entries:
+            if not joined and evicted >= budget.max_entries:
                 stopped_by, pending = "entries", item
                 break
-            if evicted > 0 and planned_bytes + est > budget.max_bytes:
+            if not joined and evicted > 0 and planned_bytes + est > budget.max_bytes:
                 stopped_by, pending = "bytes", item
                 break
             path, nbytes, _ = store.forget_entry_locked(entry_id)
@@ -242,7 +250,7 @@ def _drop_planned(store: Any, plan: _Plan, budget: PassBudget, clock: PassClock)
             evicted += 1
             expired_n += expired
         store.unlink_paths(paths, clock)
-        if stopped_by != "done" or len(paths) < _DROP_BATCH:
+        if stopped_by != "done" or pending is None:
             break
     return stopped_by, evicted, expired_n, reclaimed, pending is not None
 
@@ -250,37 +258,57 @@ def _drop_planned(store: Any, plan: _Plan, budget: PassBudget, clock: PassClock)
 _DROP_BATCH = 16  # manifests unlinked in parallel as one unit
 
 
+def shard_units(entries: Any) -> dict[str, list[Any]]:
+    """Entry id -> the unit it belongs to: every entry of the same blocks whose identity
+    differs only in ``tp_rank`` (the shards that tensor-parallel ranks publish of one entry),
+    itself included."""
+    rank0: dict[Any, str] = {}  # identity -> its digest at tp_rank 0 (few identities, many entries)
+    units: dict[tuple[str, str, int], list[Any]] = collections.defaultdict(list)
+    for e in entries:
+        identity = e.manifest.identity
+        if identity not in rank0:
+            rank0[identity] = dataclasses.replace(identity, tp_rank=0).digest()
+        units[(rank0[identity], e.manifest.block_keys[-1], e.manifest.block_count)].append(e)
+    return {e.entry_id: unit for unit in units.values() for e in unit}
+
+
 def _plan(store: Any, pinned: set[str], now: float):
     """Generator: first yields the number of pinned entries skipped, then
-    ``(entry_id, expected bytes freed, expired)`` oldest first: TTL-expired entries, then
-    least-recently-used ones until the projected use is at or under the low watermark.
+    ``(entry_id, expected bytes freed, expired, joined)`` oldest first: TTL-expired entries,
+    then least-recently-used ones until the projected use is at or under the low watermark;
+    each followed by the other shards of its unit (``joined``: True), and no unit of which
+    a shard is pinned.
     Lazy, so the planning work of a pass is bounded by the pass's own budget. Call under
     ``store._mutex``-free conditions only from ``run_pass`` (it reads the index)."""
     index = store.index
     by_age = sorted(index.entries.values(), key=lambda e: e.last_access)
-    candidates = [e for e in by_age if e.entry_id not in pinned]
+    units = shard_units(by_age)
+    candidates = [e for e in by_age if not any(s.entry_id in pinned for s in units[e.entry_id])]
     yield len(by_age) - len(candidates)
     dropping: dict[str, int] = {}
     projected = index.used_bytes - index.deferred_bytes()  # deferred objects go anyway
-    expired: set[str] = set()
+    planned: set[str] = set()
+
+    def drop(e: Any, expired: bool):
+        nonlocal projected
+        for joined, shard in enumerate([e, *(s for s in units[e.entry_id] if s is not e)]):
+            if shard.entry_id in planned:
+                continue
+            planned.add(shard.entry_id)
+            free = index.entry_free_bytes(shard, dropping)
+            projected -= free
+            yield shard.entry_id, free, expired, joined > 0
+            _forget_if_removed(index, shard, dropping)
+
     if store.ttl_seconds > 0:
         for e in candidates:
             if now - e.last_access > store.ttl_seconds:
-                free = index.entry_free_bytes(e, dropping)
-                expired.add(e.entry_id)
-                projected -= free
-                yield e.entry_id, free, True
-                _forget_if_removed(index, e, dropping)
+                yield from drop(e, True)
     if projected > store.max_bytes or (store.draining and projected > store.low_watermark_bytes):
         for e in candidates:
             if projected <= store.low_watermark_bytes:
                 break
-            if e.entry_id in expired:
-                continue
-            free = index.entry_free_bytes(e, dropping)
-            projected -= free
-            yield e.entry_id, free, False
-            _forget_if_removed(index, e, dropping)
+            yield from drop(e, False)
 
 
 def _forget_if_removed(index: Any, entry: Any, dropping: dict[str, int]) -> None:

@@ -199,3 +199,39 @@ def test_objects_of_a_dropped_entry_stay_counted_until_deleted(tmp_path):
     report = run_pass(store, PassBudget())
     assert report.deferred_objects == 0 and not os.path.exists(obj)
     assert store.capacity().used_bytes == before - 8192
+
+
+def test_the_shards_of_one_entry_are_evicted_together(tmp_path):
+    # Tensor-parallel ranks publish one shard each of every entry (same blocks, identities that
+    # differ only in tp_rank, their own bytes). Eviction takes a unit whole, even past a pass's
+    # entry budget, and never breaks a unit one of whose shards is pinned: a lone shard is
+    # useless (vLLM restores all ranks or none).
+    import dataclasses
+
+    ranks = [IDENT, dataclasses.replace(IDENT, tp_rank=1)]
+    store = _small_store(tmp_path, max_bytes=100 * 1024, low_watermark_bytes=40 * 1024)
+    for conv in range(6):  # 12 entries of 8 KiB: 96 KiB
+        for identity in ranks:
+            pages = conv_pages(conv + 100 * identity.tp_rank, 16, 16)
+            assert store.publish(identity, conv_keys(conv, 16), pages).ok
+    for conv in range(6):  # rank 1's shards a little older than rank 0's, each pair apart
+        for rank, identity in enumerate(ranks):
+            entry = store.entry(store.lookup(identity, conv_keys(conv, 16)).entry_id)
+            t = time.time() - 1000 + 100 * conv - rank
+            os.utime(entry.path, (t, t))
+    pinned = store.lookup(ranks[0], conv_keys(0, 16), lease=True)  # the oldest unit, rank 0 pinned
+    assert store.publish(IDENT, conv_keys(9, 16), conv_pages(9, 16, 16)).ok  # crosses max_bytes
+    for _ in range(4):  # each pass may stop on its 3 entries; a unit is never split between passes
+        run_pass(store, PassBudget(max_entries=3, max_bytes=1 << 30, max_ms=5000))
+        for conv in range(1, 6):
+            hits = [store.lookup(identity, conv_keys(conv, 16)).hit for identity in ranks]
+            assert hits[0] == hits[1], (conv, hits)
+
+    def present(conv):
+        return [store.lookup(identity, conv_keys(conv, 16)).hit for identity in ranks]
+
+    assert store.capacity().used_bytes <= 40 * 1024
+    assert present(0) == [True, True]  # pinned on rank 0: kept whole
+    for conv in range(1, 6):
+        assert present(conv)[0] == present(conv)[1], (conv, present(conv))
+    store.release(pinned.lease_id)
