@@ -159,12 +159,37 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+def _shm_in_use() -> set[str]:
+    """Names under /dev/shm that a live process has open or mapped (/proc/*/fd, /proc/*/maps)."""
+    used: set[str] = set()
+    prefix = str(_SHM) + "/"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    used.add(target[len(prefix):].split(" ")[0])
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        used.add(line[at + len(prefix):].split(" ")[0].strip())
+        except OSError:
+            continue  # gone, or not ours to read
+    return used
+
+
 def _remove_new_shm(before: set[str]) -> None:
     """Remove the shared-memory segments this life left (vLLM's multi-process workers and
     its CPU all-reduce create some and, killed, never unlink them): the entries of /dev/shm
-    that are new since it started and owned by this user. Engine lives run one at a time."""
+    that are new since it started, owned by this user, and that no live process has open or
+    mapped (another engine running meanwhile keeps its own)."""
     uid = os.getuid()
-    for name in _shm_entries() - before:
+    new = _shm_entries() - before
+    if not new:
+        return
+    in_use = _shm_in_use()
+    for name in new - in_use:
         path = _SHM / name
         try:
             if path.lstat().st_uid == uid and not path.is_dir():

@@ -75,21 +75,27 @@ def _settings_from(vllm_config: Any):
 
 
 def _refuse_unsupported_parallel(vllm_config: Any, settings: Any) -> None:
-    """Tensor and pipeline parallelism: every rank stores its own shard of an entry (its heads,
-    its layers) under its own identity. Context parallelism (decode or prefill) spreads one
-    block's tokens over ranks, which sparkcache's pages (whole blocks per rank) do not
-    describe: refused at startup rather than stored wrong."""
+    """Tensor parallelism: every rank stores its own shard of an entry (its heads) under its
+    own identity, and the scheduler offers an entry only when every rank's shard is there.
+    Refused at startup rather than stored wrong: pipeline parallelism (the scheduler sees
+    stage 0's KV layout, so it could not look up another stage's shard: nothing would ever
+    be restored) and context parallelism (decode or prefill: it spreads one block's tokens
+    over ranks, and sparkcache stores whole blocks per rank)."""
     if not settings.enabled or settings.access_mode == "disabled":
         return
     pc = vllm_config.parallel_config
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+    for name, why in (("pipeline_parallel_size", "the scheduler sees only the first stage's KV "
+                       "layout, so it cannot find another stage's shard"),
+                      ("decode_context_parallel_size", "context parallelism spreads one block's "
+                       "tokens over ranks, and sparkcache stores whole blocks per rank"),
+                      ("prefill_context_parallel_size", "context parallelism spreads one block's "
+                       "tokens over ranks, and sparkcache stores whole blocks per rank")):
         size = int(getattr(pc, name, 1) or 1)
         if size > 1:
             raise SettingsError(
-                f"sparkcache connector: parallel_config.{name}={size} is not supported: context "
-                "parallelism spreads one block's tokens over ranks, and sparkcache stores whole "
-                f"blocks per rank. Fix: run with {name}=1 (tensor and pipeline parallelism are "
-                "supported), or switch the store off with SPARKCACHE_ENABLED=0")
+                f"sparkcache connector: parallel_config.{name}={size} is not supported: {why}. "
+                f"Fix: run with {name}=1 (tensor parallelism is supported), or switch the store "
+                "off with SPARKCACHE_ENABLED=0")
 
 
 def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:

@@ -330,11 +330,8 @@ def make_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, *,
 
 def shard_identities(vllm_config: Any, identity: Identity) -> tuple[Identity, ...]:
     """The identity of every rank's shard of one entry, rank 0's (``identity``, as the
-    scheduler makes it) first: one per tensor-parallel rank, per pipeline stage and per
-    prefill-context rank, as each worker makes its own (``make_identity`` with its ranks)."""
-    pc = vllm_config.parallel_config
-    sizes = [max(1, int(getattr(pc, name, 1) or 1)) for name in (
-        "tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")]
-    return tuple(
-        dataclasses.replace(identity, tp_rank=tp, parallel=describe_parallel(vllm_config, {"pp_rank": pp, "pcp_rank": pcp}))
-        for pp in range(sizes[1]) for pcp in range(sizes[2]) for tp in range(sizes[0]))
+    scheduler makes it) first: one per tensor-parallel rank, as each worker makes its own
+    (``make_identity`` with its rank). Other parallel layouts are refused at startup
+    (``connector._refuse_unsupported_parallel``)."""
+    size = max(1, int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1))
+    return tuple(dataclasses.replace(identity, tp_rank=tp) for tp in range(size))

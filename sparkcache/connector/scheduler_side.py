@@ -147,6 +147,9 @@ class SchedulerSide:
         self.captures_to_send: list[CapturePlan] = []
         self.awaiting_send: set[str] = set()      # delayed frees owed by finished_sending
         self.awaiting_recv_free: set[str] = set()  # finished while loading: owed by finished_recving
+        # finished in the step whose forward placed their synchronous load: tokens, until the
+        # workers report it (vLLM frees a request before it hands over the connector output)
+        self.sync_unreported: dict[str, int] = {}
         self.counters = SchedulerCounters()
         self.records: list[AttributionRecord] = []  # finished records (bounded)
         self.num_workers = 1                      # worker reports expected per capture plan
@@ -247,7 +250,7 @@ class SchedulerSide:
         cost a read, a refusal and a recompute, and a capture that sees it missing publishes
         it again. Every lookup refreshes that rank's entry in LRU order, so ranks age alike."""
         depth, handle = len(keys), None
-        for _ in range(len(self.identities) + 1):  # each pass only lowers the depth
+        while True:  # ends: a pass that does not settle lowers the depth, a miss returns
             settled = True
             for rank, identity in enumerate(self.identities):
                 found = self.store.lookup(identity, keys[:depth], with_state=with_state)
@@ -259,7 +262,6 @@ class SchedulerSide:
                     handle = found.handle
             if settled:
                 return depth, handle
-        return 0, None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -397,11 +399,15 @@ class SchedulerSide:
             if st is not None:
                 self._count_restore(True, st.sync_consumed)
                 st.sync_consumed = 0
+            elif req_id in self.sync_unreported:
+                self._count_restore(True, self.sync_unreported.pop(req_id))
         for req_id in getattr(worker_meta, "sync_failed", ()) or ():
             # Nothing was placed; vLLM recomputes from the first invalid block (or fails the
             # request, with kv_load_failure_policy="fail").
             st = self.reqs.get(req_id)
             if st is None:
+                if self.sync_unreported.pop(req_id, None) is not None:
+                    self._count_restore(False, 0)
                 continue
             st.restore_refused = True
             st.record.failed_restores += 1
@@ -443,6 +449,10 @@ class SchedulerSide:
             self.awaiting_recv_free.add(request.request_id)
             return True, params
         self.reqs.pop(request.request_id, None)
+        if st.sync_consumed:  # its synchronous load is reported after this call
+            self.sync_unreported[request.request_id] = st.sync_consumed
+            while len(self.sync_unreported) > 1024:  # a report that never comes is not kept forever
+                del self.sync_unreported[next(iter(self.sync_unreported))]
         plan = self._capture_plan(st, request, block_ids)
         if plan is None:
             return False, params

@@ -297,7 +297,9 @@ def _plan(store: Any, pinned: set[str], now: float):
             planned.add(shard.entry_id)
             free = index.entry_free_bytes(shard, dropping)
             projected -= free
-            yield shard.entry_id, free, expired, joined > 0
+            # a joined shard counts as expired only if it is (it goes with its unit anyway)
+            own = expired and (shard is e or now - shard.last_access > store.ttl_seconds)
+            yield shard.entry_id, free, own, joined > 0
             _forget_if_removed(index, shard, dropping)
 
     if store.ttl_seconds > 0:

@@ -57,6 +57,16 @@ def test_offers_stop_at_the_depth_every_rank_holds(tmp_path, hybrid):
     assert _offered(s, prompt, "b") == 192
 
 
+def test_states_at_different_depths_per_rank_meet_at_the_deepest_common_one(tmp_path):
+    # rank 0 holds states after blocks 12, 9, 6 and 3, rank 1 after 11, 8 and 3 (it skipped
+    # some captures): each pass of the lookup lands on a new depth, four passes in all
+    s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=True)
+    prompt = _prompt(200, 4)
+    for blocks, ranks in ((12, [0]), (9, [0]), (6, [0]), (11, [1]), (8, [1]), (3, [0, 1])):
+        store_prefix(s, prompt[:blocks * BS], ranks=ranks)
+    assert _offered(s, prompt) == 3 * BS
+
+
 def test_a_hit_refreshes_every_rank_shard(tmp_path):
     s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
     side = s.connector._sched
@@ -72,8 +82,9 @@ def test_a_hit_refreshes_every_rank_shard(tmp_path):
     assert all(os.stat(path).st_mtime > 1_000_000_000 for path in paths)
 
 
-@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
-def test_context_parallel_is_refused_at_startup_with_the_fix(tmp_path, name):
+@pytest.mark.parametrize("name", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                  "prefill_context_parallel_size"])
+def test_other_parallel_layouts_are_refused_at_startup_with_the_fix(tmp_path, name):
     from vllm.config import ParallelConfig, VllmConfig
 
     from sparkcache.connector.connector import _refuse_unsupported_parallel
@@ -82,10 +93,10 @@ def test_context_parallel_is_refused_at_startup_with_the_fix(tmp_path, name):
     on = load_settings(env={}, extra_config={"root": str(tmp_path)})
     # vLLM 0.32.0's V1 runner refuses prefill context parallel in VllmConfig itself; the
     # connector refuses it too, for a runner that would not
-    cp = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2, **{name: 2}))
+    layout = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2, **{name: 2}))
     with pytest.raises(SettingsError, match=f"parallel_config.{name}=2 is not supported.*Fix: run with {name}=1"):
-        _refuse_unsupported_parallel(cp, on)
-    # the store switched off stores nothing wrong; tensor and pipeline parallelism are supported
-    _refuse_unsupported_parallel(cp, load_settings(env={"SPARKCACHE_ENABLED": "0"}, extra_config={"root": str(tmp_path)}))
-    _refuse_unsupported_parallel(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2,
-                                                                           pipeline_parallel_size=2)), on)
+        _refuse_unsupported_parallel(layout, on)
+    # the store switched off stores nothing wrong; tensor parallelism is supported
+    _refuse_unsupported_parallel(layout, load_settings(env={"SPARKCACHE_ENABLED": "0"},
+                                                       extra_config={"root": str(tmp_path)}))
+    _refuse_unsupported_parallel(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2)), on)

@@ -35,7 +35,7 @@ def _step(s, *, loaded=(), fail: str | None = None, token_id: int = 7):
                for r in req_ids]
     kv_out = KVConnectorOutput(invalid_block_ids=invalid, kv_connector_worker_meta=SparkcacheWorkerMetadata(
         [], list(loaded), [fail] if fail is not None else []))
-    s.update_from_output(out, ModelRunnerOutput(
+    s.last_engine_outputs = s.update_from_output(out, ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
         logprobs=None, prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out))
     return out
@@ -87,3 +87,18 @@ def test_sync_loads_off_keeps_the_asynchronous_path(tmp_path):
     s.add_request(r)
     out = _step(s)
     assert not out.has_sync_kv_loads and r.status.name == "WAITING_FOR_REMOTE_KVS"
+
+
+def test_a_sync_restore_of_a_request_that_finishes_in_that_step_is_counted(tmp_path):
+    # vLLM frees a request that finished (here: one output token) before it hands the step's
+    # connector output to the scheduler side, so the worker's sync_loaded report arrives
+    # after request_finished; the restore is still counted, once.
+    s = make_scheduler(str(tmp_path), hybrid=False)
+    prompt = _prompt(200, 4)
+    stored = store_prefix(s, prompt)
+    s.add_request(request("a", prompt, max_tokens=1))
+    _step(s, loaded={"a"})
+    assert not s.requests
+    stats = [eco.scheduler_stats for eco in s.last_engine_outputs.values() if eco.scheduler_stats is not None]
+    counters = {**((stats[0].kv_connector_stats or {}).get("counters") or {}), **s.connector._sched.counters.data}
+    assert (counters.get("restores_ok"), counters.get("restored_tokens")) == (1, stored), counters
