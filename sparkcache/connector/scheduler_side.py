@@ -134,7 +134,6 @@ class SchedulerSide:
         self.settings = settings
         self.mode = settings.access_mode if settings.enabled else "disabled"
         self.identities = identities  # one per rank's shard (``shard_identities``); rank 0's first
-        self.identity = identities[0]
         self.store = store
         self.block_size = block_size
         self.layout = layout
@@ -157,6 +156,11 @@ class SchedulerSide:
         self.unsettled: dict[str, tuple[int, float]] = {}  # req_id -> (reports owed, deadline)
         self.adapters = AdapterFingerprints()
         self.after_reset = False                  # vLLM reset the connector's cache: stop
+
+    @property
+    def identity(self) -> Any:
+        """Rank 0's identity (the one the scheduler itself is made with)."""
+        return self.identities[0]
 
     @property
     def attention_only(self) -> bool:
@@ -309,10 +313,12 @@ class SchedulerSide:
 
     def _plan_state_captures(self, block_state: Any) -> None:
         """Capture plans for this step's boundary-state offers (module docstring)."""
+        if self.mode not in CAPTURING_MODES or self.store is None:
+            return
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
         for req_id, entries in offers.items():
             st = self.reqs.get(req_id)
-            if st is None or self.mode not in CAPTURING_MODES or self.store is None:
+            if st is None:
                 continue
             by_boundary: dict[int, dict[int, int]] = {}
             for group, block_id, tokens in entries:
