@@ -6,11 +6,12 @@ from .manifests import Manifest, PageRef
 from .pagestore import PageStore
 from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
                       RecoveryReport)
+from .units import IncompleteUnit, incomplete_units, shard_units
 from .verify import Problem, VerifyReport, verify_store
 
 __all__ = [
-    "CapacitySnapshot", "EntryHandle", "Identity", "LookupResult", "MaintenanceThread",
+    "CapacitySnapshot", "EntryHandle", "Identity", "IncompleteUnit", "LookupResult", "MaintenanceThread",
     "Manifest", "PageRef", "PageStore", "PassBudget", "PassReport", "Problem", "PublishResult",
-    "ReadResult", "RecoveryReport", "VerifyReport", "block_key", "entry_id_for", "pass_due",
-    "run_pass", "verify_store",
+    "ReadResult", "RecoveryReport", "VerifyReport", "block_key", "entry_id_for", "incomplete_units",
+    "pass_due", "run_pass", "shard_units", "verify_store",
 ]

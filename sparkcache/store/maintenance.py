@@ -24,7 +24,6 @@ A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import threading
@@ -37,6 +36,7 @@ from .locks import LockTimeout, exclusive_lock
 from .pacing import PassClock, runqueue_wait_s
 from .pins import live_pins
 from .results import CapacitySnapshot
+from .units import shard_units
 
 _SHARDS = [f"{i:02x}" for i in range(256)]
 log = logging.getLogger("sparkcache.store")
@@ -256,20 +256,6 @@ def _drop_planned(store: Any, plan: _Plan, budget: PassBudget, clock: PassClock)
 
 
 _DROP_BATCH = 16  # manifests unlinked in parallel as one unit
-
-
-def shard_units(entries: Any) -> dict[str, list[Any]]:
-    """Entry id -> the unit it belongs to: every entry of the same blocks whose identity
-    differs only in ``tp_rank`` (the shards that tensor-parallel ranks publish of one entry),
-    itself included."""
-    rank0: dict[Any, str] = {}  # identity -> its digest at tp_rank 0 (few identities, many entries)
-    units: dict[tuple[str, str, int], list[Any]] = collections.defaultdict(list)
-    for e in entries:
-        identity = e.manifest.identity
-        if identity not in rank0:
-            rank0[identity] = dataclasses.replace(identity, tp_rank=0).digest()
-        units[(rank0[identity], e.manifest.block_keys[-1], e.manifest.block_count)].append(e)
-    return {e.entry_id: unit for unit in units.values() for e in unit}
 
 
 def _plan(store: Any, pinned: set[str], now: float):

@@ -199,6 +199,24 @@ class PageStore:
         except (OSError, UnsafePathError):  # held by another (LockTimeout), or a bad disk
             return ()
 
+    def discard(self, entry_id: str) -> bool:
+        """Remove one entry now (manifest, then the objects only it referenced), unless it
+        is pinned; True when it is gone (or was not there), False when it could not be
+        removed now (pinned, the collector holds the lock, a failing disk): try again later."""
+        if self.read_only:
+            raise PermissionError(f"{self.layout.base}: opened read-only; discarding needs a writer")
+        try:
+            with exclusive_lock(self.layout, timeout_s=0.0):
+                protected = self.locked_view_refresh()
+                if entry_id not in self.index.entries:
+                    return True
+                if entry_id in live_pins(self.layout, self.lease_seconds):
+                    return False
+                self.evict_locked((entry_id,), protected)
+                return entry_id not in self.index.entries
+        except (OSError, UnsafePathError):
+            return False
+
     def _failed(self, reason: str, started: float, entry_id: str, detail: str) -> PublishResult:
         result = PublishResult(False, reason, entry_id, detail,
                                duration_s=time.monotonic() - started)
@@ -456,6 +474,12 @@ class PageStore:
             self.index.refresh()
             return CapacitySnapshot(len(self.index.entries), self.index.used_bytes,
                                     self.max_bytes, self.low_watermark_bytes, len(self.index.bad))
+
+    def entries(self) -> list[IndexedEntry]:
+        """Every published entry, as the store holds them now."""
+        with self._mutex:
+            self.index.refresh()
+            return list(self.index.entries.values())
 
     def entry(self, entry_id: str) -> IndexedEntry | None:
         with self._mutex:
