@@ -17,7 +17,10 @@ sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`
 token's logprob; ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
 process each (on CPU give each its core: ``VLLM_CPU_OMP_THREADS_BIND``, and keep gloo on
 loopback: ``GLOO_SOCKET_IFNAME=lo``, ``VLLM_HOST_IP=127.0.0.1``); ``"chain": true`` makes a conversation: each prompt after the first is the
-previous prompt, its output and then its own ids.
+previous prompt, its output and then its own ids; ``"check_units": {"root": R, "ranks": N}``
+(optional ``"namespace"``) checks after every request that the store at R holds no entry with
+only some of the N tensor-parallel ranks' shards, once its publications settled (up to 30 s)
+(per result: ``incomplete_units``, what was still incomplete then, and ``units_settle_s``).
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
@@ -92,6 +95,8 @@ def run(cfg: dict) -> dict:
                         "kv_transfer_params": out.kv_transfer_params,
                         "generate_s": time.monotonic() - t, "prompt_tokens": len(ids), "prompt": ids})
         history += results[-1]["tokens"]
+        if cfg.get("check_units"):
+            results[-1].update(_settled_units(cfg["check_units"]))
     metrics = {}
     for m in llm.get_metrics():
         if m.name.startswith(("vllm:prefix_cache", "vllm:external_prefix", "vllm:sparkcache",
@@ -104,6 +109,27 @@ def run(cfg: dict) -> dict:
     except Exception:
         pass
     return {"results": results, "metrics": metrics, "startup_s": startup_s}
+
+
+def _settled_units(check: dict, quiet_s: float = 2.0, deadline_s: float = 30.0) -> dict:
+    """Wait until the store is quiet (no live publication, the same entries for ``quiet_s``:
+    the engine captures a finished request in its next steps), or the deadline passes; the
+    entries then lacking a rank's shard, and how long the wait took."""
+    from sparkcache.store import PageStore, incomplete_units
+
+    t = time.monotonic()
+    seen, since = None, t
+    while True:
+        store = PageStore(check["root"], namespace=check.get("namespace", "default"), read_only=True)
+        now = (frozenset(store.index.entries), frozenset(os.listdir(store.layout.staging_dir)))
+        if now != seen:
+            seen, since = now, time.monotonic()
+        quiet = not now[1] and time.monotonic() - since >= quiet_s
+        if quiet or time.monotonic() - t > deadline_s:
+            bad = incomplete_units(store.index.entries.values(), int(check["ranks"]))
+            return {"incomplete_units": [[u.block_count, list(u.ranks)] for u in bad],
+                    "units_settle_s": time.monotonic() - t}
+        time.sleep(0.1)
 
 
 RESULT_MARKER = "ENGINE-RESULT "

@@ -119,6 +119,9 @@ def _settings(args: argparse.Namespace, root: str | None) -> Settings:
     if args.namespace is not None:
         extra["namespace"] = args.namespace
     settings = load_settings(extra_config=extra)
+    if settings.per_rank_root:
+        raise SettingsError(f"SPARKCACHE_ROOT={settings.root!r} names one root per tensor-parallel "
+                            f"rank; give one rank's root, e.g. --root {settings.for_rank(0).root}")
     base = os.path.join(settings.root, settings.namespace)
     if not os.path.isdir(base):
         raise SettingsError(f"SPARKCACHE_ROOT={settings.root!r}: no store at {base} "

@@ -210,11 +210,14 @@ class SettingRow:
 
 _GiB = 1 << 30
 _MiB = 1 << 20
+RANK_PLACEHOLDER = "{rank}"
 
 SETTINGS_TABLE: tuple[SettingRow, ...] = (
     SettingRow("ENABLED", "bool", True, "Switch the store on or off as a whole."),
     SettingRow("ROOT", "path", "", "Rank-local cache directory (required when enabled). "
-               "Entries live under ROOT/NAMESPACE."),
+               "Entries live under ROOT/NAMESPACE. '{rank}' in it is replaced by each "
+               "tensor-parallel rank's number (e.g. /cache/rank{rank}): every rank then has "
+               "its own root, and MAX_BYTES is per rank."),
     SettingRow("NAMESPACE", "str", "default", "Sub-directory of ROOT; separate namespaces "
                "never share entries or objects.", pattern=r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
     SettingRow("ACCESS_MODE", "choice", "read-write", "What the connector may do: restore and "
@@ -312,6 +315,18 @@ class Settings:
     prefer_local_prefix: bool
     retain_decode_checkpoint: bool
     drop_superseded_checkpoint: bool
+
+    @property
+    def per_rank_root(self) -> bool:
+        """ROOT names a directory per tensor-parallel rank (it holds ``{rank}``)."""
+        return RANK_PLACEHOLDER in self.root
+
+    def for_rank(self, tp_rank: int) -> "Settings":
+        """The settings a tensor-parallel rank opens its store with: ROOT with ``{rank}``
+        replaced by ``tp_rank`` (unchanged without it)."""
+        if not self.per_rank_root:
+            return self
+        return dataclasses.replace(self, root=self.root.replace(RANK_PLACEHOLDER, str(int(tp_rank))))
 
     def replace(self, **changes: Any) -> "Settings":
         """A copy with ``changes`` (by field name) applied and validated again."""
@@ -413,6 +428,12 @@ def _check_combinations(s: Settings, require_root: bool) -> None:
         raise SettingsError(
             f"SPARKCACHE_ROOT={s.root!r}: must be an absolute path; allowed: a directory path "
             "starting with '/'")
+    stray = s.root.replace(RANK_PLACEHOLDER, "")
+    if "{" in stray or "}" in stray:
+        raise SettingsError(
+            f"SPARKCACHE_ROOT={s.root!r}: the only placeholder a root may hold is "
+            f"{RANK_PLACEHOLDER} (each tensor-parallel rank's number), e.g. /cache/rank{{rank}}; "
+            "fix the braces")
 
 
 def render_settings_help() -> str:

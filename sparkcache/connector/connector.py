@@ -114,6 +114,17 @@ def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
     return PageStore.from_settings(settings, metrics=metrics)
 
 
+def _rank_stores(settings: Any, ranks: int) -> tuple[PageStore, ...] | None:
+    """The store of every tensor-parallel rank's shards, as the scheduler reads them: one
+    object for all when they share a root; None when a rank's cannot be read (restore-only
+    and it holds no store yet), since an entry is offered only when every rank's shard is."""
+    if not settings.per_rank_root:
+        store = _open_store(settings, metrics=None)
+        return None if store is None else (store,) * ranks
+    stores = tuple(_open_store(settings.for_rank(r), metrics=None) for r in range(ranks))
+    return None if any(s is None for s in stores) else stores
+
+
 def _worker_ranks() -> tuple[int, dict[str, int]]:
     """This worker's tensor-parallel rank, and its pipeline and prefill-context-parallel
     ranks (which layers and tokens its pages hold). vLLM initialises every group before it
@@ -165,12 +176,14 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             identity, layout = make_identity(vllm_config, kv_cache_config, 0,
                                              declared_weights=declared)
             _report_layout(layout)
-            store = _open_store(self.settings, metrics=None)
-            self._sched = SchedulerSide(self.settings, shard_identities(vllm_config, identity), store,
+            identities = shard_identities(vllm_config, identity)
+            self._sched = SchedulerSide(self.settings, identities, _rank_stores(self.settings, len(identities)),
                                         self.block_size, layout, len(kv_cache_config.kv_cache_groups))
             self._sched.num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         else:
             rank, ranks = _worker_ranks()
+            self.rank = rank
+            self.settings = self.settings.for_rank(rank)
             identity, layout = make_identity(vllm_config, kv_cache_config, rank,
                                              ranks=ranks, declared_weights=declared)
             self.metrics = StoreMetrics(rank=str(rank))
@@ -292,7 +305,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             for k, v in counters.items():
                 stats.add(k, v)
             for k, v in gauges.items():
-                stats.set_gauge(k, v)
+                stats.set_rank_gauge(self.rank, k, v)
         return None if stats.is_empty() else stats
 
     def build_connector_worker_meta(self) -> SparkcacheWorkerMetadata | None:

@@ -41,9 +41,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
+from sparkcache.store.identity import entry_id_for
 from sparkcache.store.manifests import PageRef, pages_needed
+from sparkcache.store.units import incomplete_units
 
 from .attribution import AttributionRecord, emit
 from .identity import AdapterFingerprints
@@ -54,6 +56,9 @@ logger = logging.getLogger("sparkcache.connector")
 
 RESTORING_MODES = ("read-write", "restore-only")
 CAPTURING_MODES = ("read-write", "store-only")
+# A unit some of whose shards are younger than this may still be being written by its other
+# ranks (a publication takes well under it); ``reconcile_units`` leaves it alone.
+UNIT_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -129,12 +134,18 @@ class SchedulerCounters:
 
 
 class SchedulerSide:
-    def __init__(self, settings: Any, identities: tuple[Any, ...], store: Any, block_size: int,
-                 layout: KVLayout, num_groups: int) -> None:
+    def __init__(self, settings: Any, identities: tuple[Any, ...], stores: tuple[Any, ...] | None,
+                 block_size: int, layout: KVLayout, num_groups: int) -> None:
         self.settings = settings
         self.mode = settings.access_mode if settings.enabled else "disabled"
         self.identities = identities  # one per rank's shard (``shard_identities``); rank 0's first
-        self.store = store
+        # the store holding each rank's shards (one object for all when they share a root);
+        # None: no store to read (disabled, or restore-only with nothing stored)
+        self.stores = stores
+        self._shard_digests = tuple(i.digest() for i in identities)
+        self.capture_ends: dict[str, list[str]] = {}  # req_id -> last keys of its unsettled captures
+        self.discards: set[tuple[int, str]] = set()   # (rank, entry id) still to remove
+        self._next_reconcile = 0.0
         self.block_size = block_size
         self.layout = layout
         self.num_groups = num_groups
@@ -156,6 +167,11 @@ class SchedulerSide:
         self.unsettled: dict[str, tuple[int, float]] = {}  # req_id -> (reports owed, deadline)
         self.adapters = AdapterFingerprints()
         self.after_reset = False                  # vLLM reset the connector's cache: stop
+
+    @property
+    def store(self) -> Any:
+        """Rank 0's store (the only one unless ROOT holds ``{rank}``)."""
+        return self.stores[0] if self.stores else None
 
     @property
     def identity(self) -> Any:
@@ -257,7 +273,7 @@ class SchedulerSide:
         while True:  # ends: a pass that does not settle lowers the depth, a miss returns
             settled = True
             for rank, identity in enumerate(self.identities):
-                found = self.store.lookup(identity, keys[:depth], with_state=with_state)
+                found = self.stores[rank].lookup(identity, keys[:depth], with_state=with_state)
                 if not found.hit:
                     return 0, None
                 if found.hit_blocks < depth:
@@ -293,6 +309,12 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_meta(self, scheduler_output: Any) -> tuple[list[LoadPlan], list[CapturePlan]]:
+        if len(self.identities) > 1 and self.mode in CAPTURING_MODES and self.stores is not None:
+            now = time.monotonic()
+            if now >= self._next_reconcile:  # once per maintenance interval, never per step
+                self._next_reconcile = now + max(1.0, self.settings.maintenance_interval_seconds)
+                self.reconcile_units()
+                self._discard_pending()  # with what earlier attempts could not remove
         if self.hybrid:
             self._plan_state_captures(getattr(scheduler_output, "kv_connector_block_state", None))
         for new in scheduler_output.scheduled_new_reqs:
@@ -358,6 +380,8 @@ class SchedulerSide:
         self.captures_to_send.append(plan)
         owed, _ = self.unsettled.get(plan.req_id, (0, 0.0))
         self.unsettled[plan.req_id] = (owed + self.num_workers, time.monotonic() + self.settle_timeout_s)
+        if len(self.identities) > 1:
+            self.capture_ends.setdefault(plan.req_id, []).append(plan.keys[-1])
 
     def _admitted(self, req_id: str, num_computed: int, out: Any, resumed: bool) -> None:
         st = self.reqs.get(req_id)
@@ -426,6 +450,52 @@ class SchedulerSide:
                 self.unsettled[req_id] = (owed - 1, deadline)
             else:
                 self.unsettled.pop(req_id, None)
+                if self._keep_whole_units(self.capture_ends.pop(req_id, ())):
+                    self._discard_pending()
+
+    def _keep_whole_units(self, last_keys: Iterable[str]) -> bool:
+        """Every rank reported a request's captures settled: an entry that some ranks
+        published and another did not (its publication refused: over the cap, a full disk)
+        can never be restored, and would make the next capture skip the ranks that hold
+        it. Its published shards are to be removed (True when there are some), so the next
+        capture publishes every rank's."""
+        found = False
+        for last in last_keys:
+            ids = [entry_id_for(d, last) for d in self._shard_digests]
+            held = [self.stores[r].entry(e) is not None for r, e in enumerate(ids)]
+            if any(held) and not all(held):
+                self.discards.update((r, e) for r, e in enumerate(ids) if held[r])
+                self.counters.add("incomplete_units_removed")
+                found = True
+        return found
+
+    def reconcile_units(self, now: float | None = None) -> None:
+        """Remove this engine's entries that some rank's store holds and another's does not,
+        whatever left them (each rank's own maintenance when every rank has its own root,
+        an engine stopped between its ranks' publications): published more than
+        ``UNIT_GRACE_S`` ago and not a capture this scheduler still waits for, so a unit
+        whose other shards are being written (here or by another engine on the same root)
+        is left alone. Run every maintenance interval from ``build_meta``."""
+        now = time.time() if now is None else now
+        in_flight = {k for ends in self.capture_ends.values() for k in ends}
+        ours = set(self.identities)
+        entries = {e.entry_id: e for store in dict.fromkeys(self.stores) for e in store.entries()
+                   if e.manifest.identity in ours}
+        for unit in incomplete_units(entries.values(), len(self.identities)):
+            if unit.last_block_key in in_flight:
+                continue
+            shards = [entries[i] for i in unit.entry_ids]
+            if now - max(e.manifest.created_at for e in shards) < UNIT_GRACE_S:
+                continue
+            self.discards.update((e.manifest.identity.tp_rank, e.entry_id) for e in shards)
+            self.counters.add("incomplete_units_removed")
+
+    def _discard_pending(self) -> None:
+        """Remove the shards found incomplete; what the store could not remove now (its
+        maintenance holds the lock, a reader pins it) is tried again next interval."""
+        for rank, entry_id in sorted(self.discards):
+            if self.stores[rank].discard(entry_id):
+                self.discards.discard((rank, entry_id))
 
     def _count_restore(self, ok: bool, tokens: int) -> None:
         """One request's restore, counted once: vLLM reports it (the union of every rank's
@@ -497,6 +567,7 @@ class SchedulerSide:
                     logger.warning("sparkcache: no publication report for %s after %.0f s; "
                                    "not waiting for it", req_id, self.settle_timeout_s)
                     del self.unsettled[req_id]
+                    self.capture_ends.pop(req_id, None)
         return bool(self.unsettled or self.counters.data)
 
     def take_counters(self) -> dict:

@@ -1,7 +1,7 @@
 """sparkcache numbers on vLLM's own stats path and ``/metrics``.
 
 Both connector halves return a ``SparkcacheStats`` from ``get_kv_connector_stats``:
-``{"counters": {name: delta}, "gauges": {name: value}}``. vLLM aggregates worker and
+``{"counters": {name: delta}, "gauges": {name: value}, "rank_gauges": {rank: {name: value}}}``. vLLM aggregates worker and
 scheduler stats, ships them to the frontend, and calls our ``build_prom_metrics`` object's
 ``observe``, which increments ``vllm:sparkcache_*`` counters and sets gauges on vLLM's own
 registry. No request id is ever a label.
@@ -57,6 +57,10 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                   "captures_publish_failed": "publish_failed",
                   "captures_skipped_slots_full": "skipped_slots_full",
                   "captures_skipped_too_large": "skipped_too_large"}),
+    "incomplete_units_removed": ("Entries that some tensor-parallel ranks published and another "
+                                 "did not (its publication refused); their shards are removed so "
+                                 "the next capture publishes every rank's.", None,
+                                 {"incomplete_units_removed": ""}),
     "evictions": ("Entries evicted or expired by maintenance.", None, {"evicted_entries": ""}),
     "bytes_reclaimed": ("Bytes reclaimed by maintenance from evicted entries.", None,
                         {"bytes_reclaimed": ""}),
@@ -67,23 +71,25 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                                    {"maintenance_stopped_lock": "lock",
                                     "maintenance_stopped_error": "error"}),
 }
-GAUGES: dict[str, tuple[str, str]] = {
-    "publication_pending_slots": ("Capture slots waiting for or under publication.", "pending_slots"),
-    "publication_pending_bytes": ("Bytes held by capture slots.", "pending_bytes"),
-    "publication_oldest_pending_age_seconds": ("Age of the oldest pending publication.", "oldest_pending_age"),
-    "capture_slots_total": ("Capture slots per rank.", "slots_total"),
-    "capacity_used_bytes": ("Allocated bytes in the store.", "used_bytes"),
-    "capacity_limit_bytes": ("Store max_bytes.", "max_bytes"),
-    "entries": ("Published entries in the store.", "entries"),
+# gauge name -> (help, data key, per rank): a worker's gauge carries a ``rank`` label (each
+# tensor-parallel rank has its own slots, and with ROOT holding {rank} its own store)
+GAUGES: dict[str, tuple[str, str, bool]] = {
+    "publication_pending_slots": ("Capture slots waiting for or under publication.", "pending_slots", True),
+    "publication_pending_bytes": ("Bytes held by capture slots.", "pending_bytes", True),
+    "publication_oldest_pending_age_seconds": ("Age of the oldest pending publication.", "oldest_pending_age", True),
+    "capture_slots_total": ("Capture slots per rank.", "slots_total", True),
+    "capacity_used_bytes": ("Allocated bytes in the store.", "used_bytes", True),
+    "capacity_limit_bytes": ("Store max_bytes.", "max_bytes", True),
+    "entries": ("Published entries in the store.", "entries", True),
     "captures_unsettled": ("Planned captures whose outcome the workers have not reported yet.",
-                           "unsettled_captures"),
+                           "unsettled_captures", False),
     "maintenance_last_pass_duration_seconds": ("Wall time of the last maintenance pass.",
-                                               "maintenance_last_pass_duration_seconds"),
+                                               "maintenance_last_pass_duration_seconds", True),
     "maintenance_remaining_entries": ("Entries the last pass left over its budget.",
-                                      "maintenance_remaining_entries"),
+                                      "maintenance_remaining_entries", True),
     "maintenance_healthy": ("1 while the writer's maintenance thread runs, 0 after it failed.",
-                            "maintenance_healthy"),
-    "pending_block_frees": ("Finished requests whose blocks wait for a capture copy or a restore.", "pending_block_frees"),
+                            "maintenance_healthy", True),
+    "pending_block_frees": ("Finished requests whose blocks wait for a capture copy or a restore.", "pending_block_frees", False),
 }
 
 
@@ -94,7 +100,7 @@ class SparkcacheStats(KVConnectorStats):
         return self.data.setdefault(name, {})
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}}
+        self.data = {"counters": {}, "gauges": {}, "rank_gauges": {}}
 
     def add(self, name: str, n: float = 1) -> None:
         if n:
@@ -104,19 +110,27 @@ class SparkcacheStats(KVConnectorStats):
     def set_gauge(self, name: str, value: float) -> None:
         self._part("gauges")[name] = value
 
+    def set_rank_gauge(self, rank: int, name: str, value: float) -> None:
+        """A worker's gauge: one value per tensor-parallel rank, never one rank's over another's."""
+        self._part("rank_gauges").setdefault(str(rank), {})[name] = value
+
     def aggregate(self, other: KVConnectorStats) -> "SparkcacheStats":
         for k, v in (other.data.get("counters") or {}).items():
             self.add(k, v)
         self._part("gauges").update(other.data.get("gauges") or {})
+        for rank, gauges in (other.data.get("rank_gauges") or {}).items():
+            self._part("rank_gauges").setdefault(rank, {}).update(gauges)
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out = dict(self._part("counters"))
         out.update(self._part("gauges"))
+        for rank, gauges in self._part("rank_gauges").items():
+            out.update({f"{k}[rank={rank}]": v for k, v in gauges.items()})
         return out
 
     def is_empty(self) -> bool:
-        return not self._part("counters") and not self._part("gauges")
+        return not (self._part("counters") or self._part("gauges") or self._part("rank_gauges"))
 
 
 class SparkcachePromMetrics(KVConnectorPromMetrics):
@@ -133,10 +147,16 @@ class SparkcachePromMetrics(KVConnectorPromMetrics):
                 per_engine[idx] = {key: metric.labels(*values, *([lv] if extra else []))
                                    for key, lv in keys.items()}
             self._counters[name] = per_engine
-        for name, (doc, key) in GAUGES.items():
-            metric = self._gauge_cls(name=P + name, documentation=doc, labelnames=list(labelnames))
-            self._gauges[key] = {idx: metric.labels(*values)
-                                 for idx, values in per_engine_labelvalues.items()}
+        self._rank_gauges: dict[str, Any] = {}
+        self._engine_values = per_engine_labelvalues
+        for name, (doc, key, per_rank) in GAUGES.items():
+            metric = self._gauge_cls(name=P + name, documentation=doc,
+                                     labelnames=list(labelnames) + (["rank"] if per_rank else []))
+            if per_rank:
+                self._rank_gauges[key] = metric  # children made per rank as ranks report
+            else:
+                self._gauges[key] = {idx: metric.labels(*values)
+                                     for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         counters = transfer_stats_data.get("counters") or {}
@@ -148,3 +168,9 @@ class SparkcachePromMetrics(KVConnectorPromMetrics):
             child = self._gauges.get(key, {}).get(engine_idx)
             if child is not None:
                 child.set(value)
+        values = self._engine_values.get(engine_idx)
+        for rank, gauges in (transfer_stats_data.get("rank_gauges") or {}).items():
+            for key, value in gauges.items():
+                metric = self._rank_gauges.get(key)
+                if metric is not None and values is not None:
+                    metric.labels(*values, str(rank)).set(value)

@@ -70,7 +70,7 @@ def store_prefix(scheduler, tokens: list[int], ranks: Iterable[int] | None = Non
     pages = [bytes([p % 251]) * 64 for p in range(-(-n // bpp))]
     state = b"\x00" * 8 if side.hybrid else None
     for rank in range(len(side.identities)) if ranks is None else ranks:
-        assert side.store.publish(side.identities[rank], keys, pages, state=state).ok
+        assert side.stores[rank].publish(side.identities[rank], keys, pages, state=state).ok
     return n * BS
 
 

@@ -39,9 +39,10 @@ MAX_TOKENS = 16
 CAPTURED_BLOCKS = (2100 + MAX_TOKENS - 1) // BLOCK  # a finished request's computed tokens: 66 blocks
 
 
-def _tp_env() -> dict[str, str]:
+def _tp_env(ranks: int = 2) -> dict[str, str]:
     cpus = sorted(os.sched_getaffinity(0))
-    bind = f"{cpus[0]}|{cpus[1 % len(cpus)]}"  # one OpenMP core per rank ("auto" refuses one NUMA node)
+    # one OpenMP core per rank, round robin ("auto" refuses one NUMA node)
+    bind = "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
     return {"VLLM_CPU_OMP_THREADS_BIND": bind, "GLOO_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": "127.0.0.1"}
 
 
@@ -155,3 +156,80 @@ def test_a_hybrid_model_at_tp2_restores_pages_and_state_with_identical_tokens(hy
     assert [r["external_tokens"] for r in _records(restored)] == [HYBRID_REUSABLE]
     assert metric(restored, "vllm:sparkcache_state_restores", outcome="ok") == 1  # once, not per rank
     assert metric(restored, "vllm:sparkcache_restored_bytes", kind="state") > 0
+
+
+# A store that holds about two units (each rank's shard of a 1,000-token prompt is ~1 MiB):
+# six prompts through it, then after a restart the last (still stored) and the first (evicted).
+SMALL = [long_prompt(1000, seed=40 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def small_store_lives(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("small-store")
+    cfg = {"model": tiny_model, "prompts": SMALL, "max_tokens": MAX_TOKENS,
+           "block_size": BLOCK, "tensor_parallel_size": 2, "connector": "sparkcache",
+           "extra": {"root": str(root), "min_span_tokens": 64, "max_bytes": "4MiB",
+                     "low_watermark_bytes": "2MiB"},
+           "check_units": {"root": str(root), "ranks": 2}}
+    return [run_engine(cfg, timeout=600, env=_tp_env()),
+            run_engine({**cfg, "prompts": [SMALL[-1], SMALL[0]]}, timeout=600, env=_tp_env())]
+
+
+def test_a_store_at_its_cap_never_keeps_an_entry_of_only_some_ranks(small_store_lives):
+    """Maintenance evicts during the run and a rank's publication can be refused over the cap
+    while the other rank's went through: after every request (its publications settled), no
+    entry lacks a rank's shard, and no offered restore is refused by either rank."""
+    first, again = small_store_lives
+    results = first["results"] + again["results"]
+    assert [r["incomplete_units"] for r in results] == [[]] * len(results)
+    assert metric(first, "vllm:sparkcache_evictions") > 0
+    records = _records(first) + _records(again)
+    assert [r["failed_restores"] for r in records] == [0] * len(records)
+    assert metric(again, "vllm:sparkcache_restores", outcome="refused") == 0
+    # after the restart: the last prompt restored, the first (evicted long ago) recomputed
+    assert [r["external_tokens"] for r in _records(again)] == [(1000 - 1) // BLOCK * BLOCK, 0]
+    assert [r["tokens"] for r in again["results"]] == [first["results"][-1]["tokens"], first["results"][0]["tokens"]]
+
+
+@pytest.fixture(scope="module")
+def per_rank_root_lives(tmp_path_factory):
+    """The tiny Llama with 2 KV heads, so that at TP=4 vLLM replicates each head on two ranks
+    and a TP=4 rank's shard has the shape of a TP=2 rank's: first a TP=4 life, then TP=2 cold
+    and restarted, all on ``root: BASE/rank{rank}``."""
+    from sparkcache.tinymodel import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(TinyModelSpec(num_kv_heads=2))
+    base = tmp_path_factory.mktemp("per-rank")
+    cfg = {"model": model, "prompts": SMALL[:1], "max_tokens": MAX_TOKENS, "block_size": BLOCK,
+           "tensor_parallel_size": 2, "connector": "sparkcache",
+           "extra": {"root": str(base / "rank{rank}"), "min_span_tokens": 64}}
+    out = {"tp4": run_engine({**cfg, "tensor_parallel_size": 4}, timeout=600, env=_tp_env(4)),
+           "cold": run_engine(cfg, timeout=600, env=_tp_env())}
+    out["roots"] = []
+    for rank in (0, 1, 2, 3):
+        store = PageStore(str(base / f"rank{rank}"), read_only=True)
+        out["roots"].append(sorted(e.manifest.identity.tp_rank for e in store.index.entries.values()))
+    out["restored"] = run_engine(cfg, timeout=600, env=_tp_env())
+    return out
+
+
+def test_each_rank_writes_its_own_root_and_a_restart_restores_from_both(per_rank_root_lives):
+    """``root: /cache/rank{rank}``: each rank's worker publishes its shard under its own root;
+    the scheduler reads both roots and offers the entry; the restore is identical."""
+    assert per_rank_root_lives["roots"] == [[0, 0], [1, 1], [2], [3]]  # TP=4's and TP=2's shards
+    restored = per_rank_root_lives["restored"]
+    assert _records(restored)[0]["external_tokens"] == (1000 - 1) // BLOCK * BLOCK
+    assert _tokens(restored) == _tokens(per_rank_root_lives["cold"])
+    assert metric(restored, "vllm:sparkcache_restores", outcome="refused") == 0
+    # each rank's root reports its own capacity (a rank label, not one rank over the other)
+    used = [metric(restored, "vllm:sparkcache_capacity_used_bytes", rank=str(r)) for r in (0, 1)]
+    assert used[0] > 0 and used[1] > 0
+
+
+def test_shards_written_at_tp4_are_not_restored_at_tp2(per_rank_root_lives):
+    """2 KV heads at TP=4 (each replicated on two ranks) and at TP=2: rank 0 and 1's shards
+    have the same shape either way, but hold other heads' copies under another layout; the
+    TP size is in the identity, so the TP=2 life restores nothing of TP=4's."""
+    cold = per_rank_root_lives["cold"]
+    assert _records(cold)[0]["external_tokens"] == 0
+    assert metric(cold, "vllm:sparkcache_restored_tokens") == 0

@@ -7,11 +7,14 @@ order (so eviction does not take one rank's half first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from types import SimpleNamespace
 
 import pytest
+
+from sparkcache.connector.keys import BlockKeys
 
 from .scheduler_scenarios import BS, make_scheduler, request, step, store_prefix
 
@@ -27,6 +30,17 @@ def _offered(s, prompt: list[int], rid: str = "a") -> int:
     return s.connector._sched.get_num_new_matched_tokens(r, 0)[0]
 
 
+def _run_to_end(s) -> list:
+    """Step until no request is left; the capture plans sent to the workers meanwhile."""
+    captures = []
+    for _ in range(40):
+        out = step(s, sending=set(s.connector._sched.awaiting_send))
+        captures += out.kv_connector_metadata.captures
+        if not s.requests:
+            break
+    return captures
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "hybrid"])
 def test_a_shard_missing_on_one_rank_is_not_offered_and_is_captured_again(tmp_path, hybrid):
     s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=hybrid)
@@ -34,12 +48,7 @@ def test_a_shard_missing_on_one_rank_is_not_offered_and_is_captured_again(tmp_pa
     prompt = _prompt(200, 1)
     store_prefix(s, prompt, ranks=[0])  # rank 1's shard evicted, deleted or never written
     assert _offered(s, prompt) == 0
-    captures = []
-    for _ in range(40):
-        out = step(s, sending=set(s.connector._sched.awaiting_send))
-        captures += out.kv_connector_metadata.captures
-        if not s.requests:
-            break
+    captures = _run_to_end(s)
     # the whole prefix is captured again (every rank publishes; rank 0's objects are reused)
     assert max(len(c.keys) for c in captures) == 192 // BS and all(c.reuse_pages == 0 for c in captures)
     store_prefix(s, prompt, ranks=[1])  # what rank 1's worker publishes
@@ -100,3 +109,97 @@ def test_other_parallel_layouts_are_refused_at_startup_with_the_fix(tmp_path, na
     _refuse_unsupported_parallel(layout, load_settings(env={"SPARKCACHE_ENABLED": "0"},
                                                        extra_config={"root": str(tmp_path)}))
     _refuse_unsupported_parallel(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=2)), on)
+
+
+def _finish_capturing(s, prompt: list[int], rid: str = "a") -> list:
+    """Run ``prompt`` to its end; the capture plans the scheduler sent to the workers."""
+    s.add_request(request(rid, prompt))
+    return _run_to_end(s)
+
+
+def _stored(s) -> list[tuple[int, int]]:
+    """(tp rank, blocks) of every entry in every rank's store."""
+    out = []
+    for store in dict.fromkeys(s.connector._sched.stores):
+        store.index.refresh(force=True)
+        out += [(e.manifest.identity.tp_rank, e.manifest.block_count) for e in store.index.entries.values()]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("per_rank_root", [False, True], ids=["shared-root", "root-per-rank"])
+@pytest.mark.parametrize("published", [[0], [1], [0, 1]])
+def test_an_entry_one_rank_failed_to_publish_is_removed_once_every_rank_settled(tmp_path, published,
+                                                                             per_rank_root):
+    """A rank's publication refused (over the cap, a full disk) while another's went through
+    leaves a shard that can never be restored and that the next capture would skip: when
+    every rank reported the capture settled, the scheduler removes it."""
+    root = str(tmp_path / "rank{rank}") if per_rank_root else str(tmp_path)
+    s = make_scheduler(root, tensor_parallel_size=2, hybrid=False, extra={"root": root})
+    side = s.connector._sched
+    (plan,) = _finish_capturing(s, _prompt(200, 5))
+    pages = [b"p" * 64] * (-(-len(plan.keys) // side.bpp))
+    for rank in published:  # what each rank's worker managed to publish
+        assert side.stores[rank].publish(side.identities[rank], plan.keys, pages).ok
+    step(s, settled=[plan.req_id])            # rank 0's report: one still owed
+    assert len(_stored(s)) == len(published)
+    step(s, settled=[plan.req_id])            # every rank settled
+    whole = len(published) == 2
+    assert _stored(s) == ([(0, len(plan.keys)), (1, len(plan.keys))] if whole else [])
+    stats = [o.scheduler_stats.kv_connector_stats for o in s.last_engine_outputs.values()]
+    assert stats[0]["counters"].get("incomplete_units_removed", 0) == (0 if whole else 1)
+
+
+def test_a_shard_the_store_cannot_remove_now_is_removed_at_the_next_interval(tmp_path):
+    from sparkcache.store.locks import exclusive_lock
+
+    s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
+    side = s.connector._sched
+    (plan,) = _finish_capturing(s, _prompt(200, 6))
+    pages = [b"p" * 64] * (-(-len(plan.keys) // side.bpp))
+    assert side.store.publish(side.identities[0], plan.keys, pages).ok
+    with exclusive_lock(side.store.layout, timeout_s=1.0):  # maintenance holds the store's lock
+        step(s, settled=[plan.req_id, plan.req_id])
+        assert _stored(s) == [(0, len(plan.keys))]
+    side._next_reconcile = 0.0               # the next maintenance interval: tried again
+    step(s)
+    assert _stored(s) == [] and not side.discards
+
+
+def test_each_rank_has_its_own_root_and_the_scheduler_reads_every_one(tmp_path):
+    root = str(tmp_path / "rank{rank}")
+    s = make_scheduler(root, tensor_parallel_size=2, hybrid=False, extra={"root": root})
+    side = s.connector._sched
+    assert [st.layout.base for st in side.stores] == [str(tmp_path / f"rank{r}" / "default") for r in (0, 1)]
+    prompt = _prompt(200, 7)
+    store_prefix(s, prompt, ranks=[0])
+    assert os.listdir(tmp_path / "rank1" / "default" / "manifests") == []
+    assert _offered(s, prompt) == 0           # rank 1's root lacks its shard
+    store_prefix(s, prompt, ranks=[1])
+    assert _offered(s, prompt, "b") == 192
+
+
+@pytest.mark.parametrize("per_rank_root", [False, True], ids=["shared-root", "root-per-rank"])
+def test_shards_whose_siblings_are_gone_are_removed_after_a_grace(tmp_path, per_rank_root):
+    """Each rank's maintenance evicts on its own root, or an engine stopped between its ranks'
+    publications: the periodic reconciliation removes the shards left without a sibling,
+    once they are older than the grace (a sibling may still be being written) and not a
+    capture the scheduler waits for; whole units, and other engines' entries, stay."""
+    import time
+
+    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
+
+    root = str(tmp_path / "rank{rank}") if per_rank_root else str(tmp_path)
+    s = make_scheduler(root, tensor_parallel_size=2, hybrid=False, extra={"root": root})
+    side = s.connector._sched
+    whole, lone = _prompt(200, 8), _prompt(200, 9)
+    store_prefix(s, whole)
+    store_prefix(s, lone, ranks=[1])
+    other = dataclasses.replace(side.identities[0], parallel='{"tensor_parallel_size":4}')
+    keys = BlockKeys(BS).upto(lone, 12)
+    assert side.stores[0].publish(other, keys, [b"o" * 64]).ok  # another engine's rank 0: not ours
+    side.reconcile_units(now=time.time())    # younger than the grace: left alone
+    assert len(_stored(s)) == 4 and not side.discards
+    side.reconcile_units(now=time.time() + UNIT_GRACE_S + 1)
+    s.schedule()                              # removes them
+    assert _stored(s) == [(0, 12), (0, 12), (1, 12)]  # whole's two shards, the other engine's
+    assert not side.discards and side.take_counters()["incomplete_units_removed"] == 1

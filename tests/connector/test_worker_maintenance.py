@@ -93,7 +93,7 @@ def test_read_write_worker_evicts_to_the_watermark_and_reports_it(tmp_path):
     assert gauges["maintenance_healthy"] == 1.0
     assert gauges["maintenance_last_pass_duration_seconds"] > 0
     # every number shipped has a vllm:sparkcache_* metric behind it
-    shipped = {key for _, _, keys in COUNTERS.values() for key in keys} | {key for _, key in GAUGES.values()}
+    shipped = {key for _, _, keys in COUNTERS.values() for key in keys} | {key for _, key, _ in GAUGES.values()}
     assert {"evicted_entries", "bytes_reclaimed", "maintenance_passes"} <= shipped
     assert {"maintenance_healthy", "maintenance_remaining_entries",
             "maintenance_last_pass_duration_seconds"} <= shipped

@@ -204,3 +204,9 @@ def test_every_command_and_option_has_help_text():
             assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
         cli = run_cli(name, "--help")
         assert cli.returncode == 0 and parser.description.split()[0] in cli.stdout, name
+
+
+def test_a_per_rank_root_template_is_refused_with_one_rank_named(tmp_path):
+    cli = run_cli("status", "--root", str(tmp_path / "rank{rank}"))
+    assert cli.returncode == 2
+    assert f"give one rank's root, e.g. --root {tmp_path}/rank0" in cli.stderr

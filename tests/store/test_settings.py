@@ -1,6 +1,8 @@
 """The settings table: parsing, precedence, and errors that name setting, value and range."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sparkcache.settings import (SETTINGS_TABLE, Settings, SettingsError, load_settings,
                                  parse_bytes, render_settings_help)
@@ -177,3 +179,30 @@ def test_transform_option_refuses_word_for_word_as_the_connector(key, value):
         load_settings(env=ROOT, extra_config={key: value})
     assert str(from_transform.value) == str(from_connector.value)
     assert f"kv_connector_extra_config[{key!r}]={value!r}" in str(from_transform.value)
+
+
+def test_a_root_per_tensor_parallel_rank():
+    s = load_settings(env={"SPARKCACHE_ROOT": "/cache/rank{rank}/sc"})
+    assert s.per_rank_root and s.for_rank(3).root == "/cache/rank3/sc" and not s.for_rank(3).per_rank_root
+    plain = load_settings(env=ROOT)
+    assert not plain.per_rank_root and plain.for_rank(5) is plain  # every rank shares it
+
+
+@pytest.mark.parametrize("root", ["/cache/{rnk}", "/cache/{}", "/cache/{rank", "/cache/rank}",
+                                  "/cache/{RANK}", "/c/{rank}{tp}"])
+def test_a_root_with_another_placeholder_is_refused(root):
+    with pytest.raises(SettingsError, match=r"only placeholder a root may hold is \{rank\}"):
+        load_settings(env={"SPARKCACHE_ROOT": root})
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+               max_size=20), st.integers(0, 1023))
+def test_rank_roots_never_keep_braces_and_differ_per_rank(name, rank):
+    root = "/c/" + name + "{rank}"
+    try:
+        s = load_settings(env={}, extra_config={"root": root})
+    except SettingsError as exc:
+        assert "{" in name or "}" in name or "SPARKCACHE_ROOT" in str(exc)
+        return
+    mine, other = s.for_rank(rank).root, s.for_rank(rank + 1).root
+    assert "{" not in mine and "}" not in mine and mine != other
