@@ -18,9 +18,10 @@ token's logprob; ``"tensor_parallel_size"`` (default 1) runs that many ranks, on
 process each (on CPU give each its core: ``VLLM_CPU_OMP_THREADS_BIND``, and keep gloo on
 loopback: ``GLOO_SOCKET_IFNAME=lo``, ``VLLM_HOST_IP=127.0.0.1``); ``"chain": true`` makes a conversation: each prompt after the first is the
 previous prompt, its output and then its own ids; ``"check_units": {"root": R, "ranks": N}``
-(optional ``"namespace"``) checks after every request that the store at R holds no entry with
-only some of the N tensor-parallel ranks' shards, once its publications settled (up to 30 s)
-(per result: ``incomplete_units``, what was still incomplete then, and ``units_settle_s``).
+(or ``"roots": [R0, R1, ...]``, one per rank; optional ``"namespace"``) checks after every
+request that the stores hold no entry with only some of the N tensor-parallel ranks' shards,
+once its publications settled (quiet for 2 s, at most 30 s); per result: ``incomplete_units``,
+``units_quiet`` (false: the deadline passed first) and ``units_settle_s``.
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
@@ -112,23 +113,26 @@ def run(cfg: dict) -> dict:
 
 
 def _settled_units(check: dict, quiet_s: float = 2.0, deadline_s: float = 30.0) -> dict:
-    """Wait until the store is quiet (no live publication, the same entries for ``quiet_s``:
+    """Wait until the stores are quiet (no live publication, the same entries for ``quiet_s``:
     the engine captures a finished request in its next steps), or the deadline passes; the
-    entries then lacking a rank's shard, and how long the wait took."""
+    entries then lacking a rank's shard, whether it got quiet, and how long the wait took."""
     from sparkcache.store import PageStore, incomplete_units
 
+    roots = check.get("roots") or [check["root"]]
     t = time.monotonic()
     seen, since = None, t
     while True:
-        store = PageStore(check["root"], namespace=check.get("namespace", "default"), read_only=True)
-        now = (frozenset(store.index.entries), frozenset(os.listdir(store.layout.staging_dir)))
+        stores = [PageStore(r, namespace=check.get("namespace", "default"), read_only=True) for r in roots]
+        now = tuple((frozenset(st.index.entries), frozenset(os.listdir(st.layout.staging_dir)))
+                    for st in stores)
         if now != seen:
             seen, since = now, time.monotonic()
-        quiet = not now[1] and time.monotonic() - since >= quiet_s
+        quiet = not any(staging for _, staging in now) and time.monotonic() - since >= quiet_s
         if quiet or time.monotonic() - t > deadline_s:
-            bad = incomplete_units(store.index.entries.values(), int(check["ranks"]))
+            entries = [e for st in stores for e in st.index.entries.values()]
+            bad = incomplete_units(entries, int(check["ranks"]))
             return {"incomplete_units": [[u.block_count, list(u.ranks)] for u in bad],
-                    "units_settle_s": time.monotonic() - t}
+                    "units_quiet": quiet, "units_settle_s": time.monotonic() - t}
         time.sleep(0.1)
 
 

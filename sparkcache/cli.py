@@ -120,8 +120,9 @@ def _settings(args: argparse.Namespace, root: str | None) -> Settings:
         extra["namespace"] = args.namespace
     settings = load_settings(extra_config=extra)
     if settings.per_rank_root:
-        raise SettingsError(f"SPARKCACHE_ROOT={settings.root!r} names one root per tensor-parallel "
-                            f"rank; give one rank's root, e.g. --root {settings.for_rank(0).root}")
+        raise SettingsError(f"root {settings.root!r} (from --root, --config or SPARKCACHE_ROOT) "
+                            "names one root per tensor-parallel rank; give one rank's root, e.g. "
+                            f"--root {settings.for_rank(0).root}")
     base = os.path.join(settings.root, settings.namespace)
     if not os.path.isdir(base):
         raise SettingsError(f"SPARKCACHE_ROOT={settings.root!r}: no store at {base} "

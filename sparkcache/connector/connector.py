@@ -80,7 +80,8 @@ def _refuse_unsupported_parallel(vllm_config: Any, settings: Any) -> None:
     Refused at startup rather than stored wrong: pipeline parallelism (the scheduler sees
     stage 0's KV layout, so it could not look up another stage's shard: nothing would ever
     be restored) and context parallelism (decode or prefill: it spreads one block's tokens
-    over ranks, and sparkcache stores whole blocks per rank)."""
+    over ranks, and sparkcache stores whole blocks per rank); and one engine spanning
+    nodes (the scheduler reads every rank's root, so they must be on its node)."""
     if not settings.enabled or settings.access_mode == "disabled":
         return
     pc = vllm_config.parallel_config
@@ -96,6 +97,15 @@ def _refuse_unsupported_parallel(vllm_config: Any, settings: Any) -> None:
                 f"sparkcache connector: parallel_config.{name}={size} is not supported: {why}. "
                 f"Fix: run with {name}=1 (tensor parallelism is supported), or switch the store "
                 "off with SPARKCACHE_ENABLED=0")
+    nodes = int(getattr(pc, "nnodes_within_dp", 1) or 1)
+    if nodes > 1:
+        raise SettingsError(
+            f"sparkcache connector: one engine spans {nodes} nodes (parallel_config.nnodes="
+            f"{pc.nnodes}): its scheduler decides offers by reading every rank's root, and "
+            "would not see the roots of ranks on another node (it would never offer, and "
+            "remove their siblings' shards as lone). Fix: keep each engine's tensor-parallel "
+            "ranks on one node (data parallel across nodes is fine), or switch the store off "
+            "with SPARKCACHE_ENABLED=0")
 
 
 def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:

@@ -59,6 +59,7 @@ CAPTURING_MODES = ("read-write", "store-only")
 # A unit some of whose shards are younger than this may still be being written by its other
 # ranks (a publication takes well under it); ``reconcile_units`` leaves it alone.
 UNIT_GRACE_S = 10.0
+UNIT_RECONCILE_S = 60.0  # how often the scheduler looks for shards without their siblings
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,6 @@ class SchedulerSide:
         self.stores = stores
         self._shard_digests = tuple(i.digest() for i in identities)
         self.capture_ends: dict[str, list[str]] = {}  # req_id -> last keys of its unsettled captures
-        self.discards: set[tuple[int, str]] = set()   # (rank, entry id) still to remove
         self._next_reconcile = 0.0
         self.block_size = block_size
         self.layout = layout
@@ -311,10 +311,9 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> tuple[list[LoadPlan], list[CapturePlan]]:
         if len(self.identities) > 1 and self.mode in CAPTURING_MODES and self.stores is not None:
             now = time.monotonic()
-            if now >= self._next_reconcile:  # once per maintenance interval, never per step
-                self._next_reconcile = now + max(1.0, self.settings.maintenance_interval_seconds)
+            if now >= self._next_reconcile:  # O(entries): once a minute, never per step
+                self._next_reconcile = now + UNIT_RECONCILE_S
                 self.reconcile_units()
-                self._discard_pending()  # with what earlier attempts could not remove
         if self.hybrid:
             self._plan_state_captures(getattr(scheduler_output, "kv_connector_block_state", None))
         for new in scheduler_output.scheduled_new_reqs:
@@ -450,52 +449,55 @@ class SchedulerSide:
                 self.unsettled[req_id] = (owed - 1, deadline)
             else:
                 self.unsettled.pop(req_id, None)
-                if self._keep_whole_units(self.capture_ends.pop(req_id, ())):
-                    self._discard_pending()
+                self._keep_whole_units(self.capture_ends.pop(req_id, ()))
 
-    def _keep_whole_units(self, last_keys: Iterable[str]) -> bool:
+    def _keep_whole_units(self, last_keys: Iterable[str]) -> None:
         """Every rank reported a request's captures settled: an entry that some ranks
         published and another did not (its publication refused: over the cap, a full disk)
-        can never be restored, and would make the next capture skip the ranks that hold
-        it. Its published shards are to be removed (True when there are some), so the next
-        capture publishes every rank's."""
-        found = False
-        for last in last_keys:
+        can never be restored, and would make the next capture skip the ranks that hold it.
+        Its published shards are removed now, so the next capture publishes every rank's;
+        not when another request's capture of the same entry is still in flight (it may be
+        writing the missing shard)."""
+        in_flight = {k for ends in self.capture_ends.values() for k in ends}
+        lone = []
+        for last in set(last_keys) - in_flight:
             ids = [entry_id_for(d, last) for d in self._shard_digests]
             held = [self.stores[r].entry(e) is not None for r, e in enumerate(ids)]
             if any(held) and not all(held):
-                self.discards.update((r, e) for r, e in enumerate(ids) if held[r])
-                self.counters.add("incomplete_units_removed")
-                found = True
-        return found
+                lone += [(r, e) for r, e in enumerate(ids) if held[r]]
+        if lone:
+            self._remove_shards(lone)
 
     def reconcile_units(self, now: float | None = None) -> None:
         """Remove this engine's entries that some rank's store holds and another's does not,
-        whatever left them (each rank's own maintenance when every rank has its own root,
-        an engine stopped between its ranks' publications): published more than
-        ``UNIT_GRACE_S`` ago and not a capture this scheduler still waits for, so a unit
-        whose other shards are being written (here or by another engine on the same root)
-        is left alone. Run every maintenance interval from ``build_meta``."""
+        whatever left them (each rank's own maintenance when every rank has its own root, an
+        engine stopped between its ranks' publications, a removal that found the store's
+        lock held): published more than ``UNIT_GRACE_S`` ago and not a capture this
+        scheduler still waits for, so a unit whose other shards are being written (here or
+        by another engine on the same root) is left alone. ``build_meta`` runs it every
+        ``UNIT_RECONCILE_S`` while the engine steps (a capturing mode, two or more ranks)."""
         now = time.time() if now is None else now
         in_flight = {k for ends in self.capture_ends.values() for k in ends}
         ours = set(self.identities)
         entries = {e.entry_id: e for store in dict.fromkeys(self.stores) for e in store.entries()
                    if e.manifest.identity in ours}
+        lone = []
         for unit in incomplete_units(entries.values(), len(self.identities)):
-            if unit.last_block_key in in_flight:
-                continue
             shards = [entries[i] for i in unit.entry_ids]
-            if now - max(e.manifest.created_at for e in shards) < UNIT_GRACE_S:
-                continue
-            self.discards.update((e.manifest.identity.tp_rank, e.entry_id) for e in shards)
-            self.counters.add("incomplete_units_removed")
+            if (unit.last_block_key not in in_flight
+                    and now - max(e.manifest.created_at for e in shards) >= UNIT_GRACE_S):
+                lone += [(e.manifest.identity.tp_rank, e.entry_id) for e in shards]
+        if lone:
+            self._remove_shards(lone)
 
-    def _discard_pending(self) -> None:
-        """Remove the shards found incomplete; what the store could not remove now (its
-        maintenance holds the lock, a reader pins it) is tried again next interval."""
-        for rank, entry_id in sorted(self.discards):
-            if self.stores[rank].discard(entry_id):
-                self.discards.discard((rank, entry_id))
+    def _remove_shards(self, shards: list[tuple[int, str]]) -> None:
+        """Remove (rank, entry id) shards, one batch per store; what a store cannot remove
+        now (its collector holds the lock, a reader pins it) the next reconciliation finds."""
+        by_store: dict[Any, list[str]] = {}
+        for rank, entry_id in shards:
+            by_store.setdefault(self.stores[rank], []).append(entry_id)
+        for store, ids in by_store.items():
+            self.counters.add("lone_shards_removed", len(store.discard(ids)))
 
     def _count_restore(self, ok: bool, tokens: int) -> None:
         """One request's restore, counted once: vLLM reports it (the union of every rank's

@@ -57,10 +57,10 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                   "captures_publish_failed": "publish_failed",
                   "captures_skipped_slots_full": "skipped_slots_full",
                   "captures_skipped_too_large": "skipped_too_large"}),
-    "incomplete_units_removed": ("Entries that some tensor-parallel ranks published and another "
-                                 "did not (its publication refused); their shards are removed so "
-                                 "the next capture publishes every rank's.", None,
-                                 {"incomplete_units_removed": ""}),
+    "lone_shards_removed": ("Shards of entries that some tensor-parallel ranks hold and another "
+                            "does not (its publication refused, or evicted from its own root), "
+                            "removed so the next capture publishes every rank's.", None,
+                            {"lone_shards_removed": ""}),
     "evictions": ("Entries evicted or expired by maintenance.", None, {"evicted_entries": ""}),
     "bytes_reclaimed": ("Bytes reclaimed by maintenance from evicted entries.", None,
                         {"bytes_reclaimed": ""}),

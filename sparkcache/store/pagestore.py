@@ -187,35 +187,24 @@ class PageStore:
         Best effort: skipped when the collector holds the lock."""
         with self._mutex:
             shorter = self.index.entries_ending_within(idd, keys)
-        if not shorter:
-            return ()
+        return self.discard(shorter) if shorter else ()
+
+    def discard(self, entry_ids: Sequence[str]) -> tuple[str, ...]:
+        """Remove these entries now (manifests, one fsync, then the objects only they
+        referenced), except pinned ones; returns those removed. Best effort: nothing when
+        the collector holds the lock or the disk fails (the caller may try again later)."""
+        if self.read_only:
+            raise PermissionError(f"{self.layout.base}: opened read-only; removing entries needs a writer")
         try:
             with exclusive_lock(self.layout, timeout_s=0.0):
                 protected = self.locked_view_refresh()
                 pinned = live_pins(self.layout, self.lease_seconds)
-                done = tuple(e for e in shorter if e not in pinned and e in self.index.entries)
-                self.evict_locked(done, protected)
+                done = tuple(e for e in entry_ids if e not in pinned and e in self.index.entries)
+                if done:
+                    self.evict_locked(done, protected)
                 return done
         except (OSError, UnsafePathError):  # held by another (LockTimeout), or a bad disk
             return ()
-
-    def discard(self, entry_id: str) -> bool:
-        """Remove one entry now (manifest, then the objects only it referenced), unless it
-        is pinned; True when it is gone (or was not there), False when it could not be
-        removed now (pinned, the collector holds the lock, a failing disk): try again later."""
-        if self.read_only:
-            raise PermissionError(f"{self.layout.base}: opened read-only; discarding needs a writer")
-        try:
-            with exclusive_lock(self.layout, timeout_s=0.0):
-                protected = self.locked_view_refresh()
-                if entry_id not in self.index.entries:
-                    return True
-                if entry_id in live_pins(self.layout, self.lease_seconds):
-                    return False
-                self.evict_locked((entry_id,), protected)
-                return entry_id not in self.index.entries
-        except (OSError, UnsafePathError):
-            return False
 
     def _failed(self, reason: str, started: float, entry_id: str, detail: str) -> PublishResult:
         result = PublishResult(False, reason, entry_id, detail,

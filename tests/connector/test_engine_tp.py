@@ -28,7 +28,7 @@ import os
 import pytest
 
 from sparkcache.connector.keys import BlockKeys
-from sparkcache.store import PageStore
+from sparkcache.store import Identity, PageStore
 
 from .conftest import long_prompt, metric, run_engine
 
@@ -181,7 +181,7 @@ def test_a_store_at_its_cap_never_keeps_an_entry_of_only_some_ranks(small_store_
     entry lacks a rank's shard, and no offered restore is refused by either rank."""
     first, again = small_store_lives
     results = first["results"] + again["results"]
-    assert [r["incomplete_units"] for r in results] == [[]] * len(results)
+    assert [(r["incomplete_units"], r["units_quiet"]) for r in results] == [([], True)] * len(results)
     assert metric(first, "vllm:sparkcache_evictions") > 0
     records = _records(first) + _records(again)
     assert [r["failed_restores"] for r in records] == [0] * len(records)
@@ -210,6 +210,21 @@ def per_rank_root_lives(tmp_path_factory):
         store = PageStore(str(base / f"rank{rank}"), read_only=True)
         out["roots"].append(sorted(e.manifest.identity.tp_rank for e in store.index.entries.values()))
     out["restored"] = run_engine(cfg, timeout=600, env=_tp_env())
+    # rank 1's root over its cap with every entry pinned (maintenance can free nothing): rank 1
+    # refuses every publication, rank 0's goes through
+    full = PageStore(str(base / "rank1"))
+    for rank in (0, 1):  # another engine's entry, whole (both its shards)
+        filler = Identity("filler", "x", BLOCK, rank, "lock")
+        assert full.publish(filler, [f"f{i}" for i in range(4)], [bytes([rank]) * (3 << 19)],
+                            blocks_per_page=4).ok
+    leases = [full.lookup(e.manifest.identity, e.manifest.block_keys, lease=True).lease_id
+              for e in full.entries()]
+    roots = [str(base / f"rank{r}") for r in (0, 1)]
+    out["rank1_full"] = run_engine({**cfg, "prompts": SMALL[1:3],
+                                    "extra": {**cfg["extra"], "max_bytes": "2MiB", "low_watermark_bytes": "1MiB"},
+                                    "check_units": {"roots": roots, "ranks": 2}}, timeout=600, env=_tp_env())
+    for lease in leases:
+        full.release(lease)
     return out
 
 
@@ -233,3 +248,16 @@ def test_shards_written_at_tp4_are_not_restored_at_tp2(per_rank_root_lives):
     cold = per_rank_root_lives["cold"]
     assert _records(cold)[0]["external_tokens"] == 0
     assert metric(cold, "vllm:sparkcache_restored_tokens") == 0
+
+
+def test_a_shard_whose_sibling_was_refused_is_removed_when_the_capture_settles(per_rank_root_lives):
+    """Rank 1 refuses its publication (its root over the cap, nothing evictable), rank 0's
+    goes through: once both reported, the scheduler removes rank 0's shard, so no root keeps
+    an entry that can never be restored (and the next capture publishes both)."""
+    life = per_rank_root_lives["rank1_full"]
+    assert [(r["incomplete_units"], r["units_quiet"]) for r in life["results"]] == [([], True)] * 2
+    # vLLM's offline metrics hold what reached the frontend by the last request: the first
+    # request's capture at least (the second's settles after its generate returned)
+    assert metric(life, "vllm:sparkcache_captures", outcome="publish_failed") >= 1
+    assert metric(life, "vllm:sparkcache_captures", outcome="published") >= 1
+    assert metric(life, "vllm:sparkcache_lone_shards_removed") >= 1

@@ -91,6 +91,19 @@ def test_a_hit_refreshes_every_rank_shard(tmp_path):
     assert all(os.stat(path).st_mtime > 1_000_000_000 for path in paths)
 
 
+def test_an_engine_spanning_nodes_is_refused_at_startup(tmp_path):
+    from sparkcache.connector.connector import _refuse_unsupported_parallel
+    from sparkcache.settings import SettingsError, load_settings
+
+    on = load_settings(env={}, extra_config={"root": str(tmp_path)})
+    two = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=8, nnodes=2, nnodes_within_dp=2))
+    with pytest.raises(SettingsError, match="spans 2 nodes.*Fix: keep each engine's tensor-parallel ranks on one node"):
+        _refuse_unsupported_parallel(two, on)
+    # data parallel replicas on two nodes: each engine on one node
+    _refuse_unsupported_parallel(SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=8, nnodes=2, nnodes_within_dp=1)), on)
+
+
 @pytest.mark.parametrize("name", ["pipeline_parallel_size", "decode_context_parallel_size",
                                   "prefill_context_parallel_size"])
 def test_other_parallel_layouts_are_refused_at_startup_with_the_fix(tmp_path, name):
@@ -146,10 +159,13 @@ def test_an_entry_one_rank_failed_to_publish_is_removed_once_every_rank_settled(
     whole = len(published) == 2
     assert _stored(s) == ([(0, len(plan.keys)), (1, len(plan.keys))] if whole else [])
     stats = [o.scheduler_stats.kv_connector_stats for o in s.last_engine_outputs.values()]
-    assert stats[0]["counters"].get("incomplete_units_removed", 0) == (0 if whole else 1)
+    assert stats[0]["counters"].get("lone_shards_removed", 0) == (0 if whole else 1)
 
 
-def test_a_shard_the_store_cannot_remove_now_is_removed_at_the_next_interval(tmp_path):
+def test_a_shard_the_store_cannot_remove_now_is_found_by_the_next_reconciliation(tmp_path):
+    import time
+
+    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
     from sparkcache.store.locks import exclusive_lock
 
     s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
@@ -160,9 +176,33 @@ def test_a_shard_the_store_cannot_remove_now_is_removed_at_the_next_interval(tmp
     with exclusive_lock(side.store.layout, timeout_s=1.0):  # maintenance holds the store's lock
         step(s, settled=[plan.req_id, plan.req_id])
         assert _stored(s) == [(0, len(plan.keys))]
-    side._next_reconcile = 0.0               # the next maintenance interval: tried again
-    step(s)
-    assert _stored(s) == [] and not side.discards
+    side.reconcile_units(now=time.time() + UNIT_GRACE_S)
+    assert _stored(s) == []
+
+
+def test_a_lone_shard_another_request_still_captures_is_left_to_it(tmp_path):
+    """Two requests capture the same entry: the first settles with rank 1's shard refused
+    while the second is still writing; rank 0's shard (the second's too) is kept, by the
+    settle check and by the reconciliation, until the second settles."""
+    import time
+
+    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
+
+    s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
+    side = s.connector._sched
+    prompt = _prompt(200, 10)
+    s.add_request(request("a", prompt))
+    s.add_request(request("b", prompt))
+    plans = _run_to_end(s)
+    assert sorted(p.req_id for p in plans) == ["a", "b"] and plans[0].keys == plans[1].keys
+    keys = plans[0].keys
+    pages = [b"p" * 64] * (-(-len(keys) // side.bpp))
+    assert side.store.publish(side.identities[0], keys, pages).ok
+    step(s, settled=["a", "a"])                 # a settled; b still in flight
+    side.reconcile_units(now=time.time() + UNIT_GRACE_S)
+    assert _stored(s) == [(0, len(keys))]
+    step(s, settled=["b", "b"])                 # b settled without rank 1's shard either
+    assert _stored(s) == []
 
 
 def test_each_rank_has_its_own_root_and_the_scheduler_reads_every_one(tmp_path):
@@ -198,8 +238,7 @@ def test_shards_whose_siblings_are_gone_are_removed_after_a_grace(tmp_path, per_
     keys = BlockKeys(BS).upto(lone, 12)
     assert side.stores[0].publish(other, keys, [b"o" * 64]).ok  # another engine's rank 0: not ours
     side.reconcile_units(now=time.time())    # younger than the grace: left alone
-    assert len(_stored(s)) == 4 and not side.discards
+    assert len(_stored(s)) == 4
     side.reconcile_units(now=time.time() + UNIT_GRACE_S + 1)
-    s.schedule()                              # removes them
     assert _stored(s) == [(0, 12), (0, 12), (1, 12)]  # whole's two shards, the other engine's
-    assert not side.discards and side.take_counters()["incomplete_units_removed"] == 1
+    assert side.take_counters()["lone_shards_removed"] == 1

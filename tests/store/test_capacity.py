@@ -237,10 +237,10 @@ def test_the_shards_of_one_entry_are_evicted_together(tmp_path):
     store.release(pinned.lease_id)
 
 
-def test_discard_removes_one_entry_now_unless_it_cannot(tmp_path):
-    # The connector's scheduler discards a shard whose siblings are missing: the manifest and
-    # the objects only it referenced go at once; objects another entry shares stay; a pinned
-    # entry, or a store whose lock the collector holds, is left for a later try (False).
+def test_discard_removes_entries_now_unless_it_cannot(tmp_path):
+    # The connector's scheduler discards shards whose siblings are missing: the manifests and
+    # the objects only they referenced go at once; objects another entry shares stay; a pinned
+    # entry, or all of them while the collector holds the lock, are left for a later try.
     import dataclasses
 
     from sparkcache.store.locks import exclusive_lock
@@ -250,14 +250,15 @@ def test_discard_removes_one_entry_now_unless_it_cannot(tmp_path):
     lone = store.publish(IDENT, conv_keys(1, 8), [own_page, shared_page])
     other = dataclasses.replace(IDENT, tp_rank=1)
     assert lone.ok and store.publish(other, conv_keys(1, 8), [conv_pages(2, 4, 4)[0], shared_page]).ok
+    also = store.publish(IDENT, conv_keys(3, 4), conv_pages(3, 4, 4))
     own, shared = (p.digest for p in store.entry(lone.entry_id).manifest.pages)
     pinned = store.lookup(IDENT, conv_keys(1, 8), lease=True)
-    assert store.discard(lone.entry_id) is False and store.entry(lone.entry_id) is not None
+    assert store.discard([lone.entry_id]) == () and store.entry(lone.entry_id) is not None
     store.release(pinned.lease_id)
     with exclusive_lock(store.layout, timeout_s=1.0):
-        assert store.discard(lone.entry_id) is False
-    assert store.discard(lone.entry_id) is True
+        assert store.discard([lone.entry_id, also.entry_id]) == ()
+    assert store.discard([lone.entry_id, also.entry_id, "0" * 40]) == (lone.entry_id, also.entry_id)
     assert store.entry(lone.entry_id) is None and store.lookup(other, conv_keys(1, 8)).hit
     assert not os.path.exists(store.objects.path(own)) and os.path.exists(store.objects.path(shared))
-    assert store.discard(lone.entry_id) is True  # already gone
+    assert store.discard([lone.entry_id]) == ()  # already gone
     assert verify_store(store.layout).ok
