@@ -227,6 +227,10 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                maximum=1 << 50),
     SettingRow("LOW_WATERMARK_BYTES", "bytes", 32 * _GiB, "Eviction stops at this level; "
                "must be <= MAX_BYTES (see docs/SIZING.md).", minimum=0, maximum=1 << 50),
+    SettingRow("MIN_FREE_BYTES", "bytes", 0, "Free-space floor of the filesystem under ROOT, "
+               "whatever else fills it: below it publications are refused (low_free_space) "
+               "and maintenance evicts until it is met again; 0 disables (see docs/SIZING.md).",
+               minimum=0, maximum=1 << 50),
     SettingRow("TTL_SECONDS", "float", 0.0, "Evict entries not read or published for this "
                "long; 0 disables.", minimum=0),
     SettingRow("LEASE_SECONDS", "float", 300.0, "Lifetime of a pin that protects an entry "
@@ -298,6 +302,7 @@ class Settings:
     access_mode: str
     max_bytes: int
     low_watermark_bytes: int
+    min_free_bytes: int
     ttl_seconds: float
     lease_seconds: float
     capture_slots: int

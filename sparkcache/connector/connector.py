@@ -310,12 +310,15 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             stats.set_gauge("pending_block_frees", len(self._sched.awaiting_send) +
                             len(self._sched.awaiting_recv_free))
             stats.set_gauge("unsettled_captures", len(self._sched.unsettled))
+            stats.observe("capture_wait_seconds", self._sched.take_capture_waits())
         if self._worker is not None:
             counters, gauges = self._worker.take_stats(time.monotonic())
             for k, v in counters.items():
                 stats.add(k, v)
             for k, v in gauges.items():
                 stats.set_rank_gauge(self.rank, k, v)
+            for name, values in self._worker.take_observations().items():
+                stats.observe(name, values)
         return None if stats.is_empty() else stats
 
     def build_connector_worker_meta(self) -> SparkcacheWorkerMetadata | None:

@@ -146,6 +146,8 @@ class SchedulerSide:
         self._shard_digests = tuple(i.digest() for i in identities)
         self.capture_ends: dict[str, list[str]] = {}  # req_id -> last keys of its unsettled captures
         self._next_reconcile = 0.0
+        self._capture_sent: dict[str, float] = {}  # req_id -> when its last capture was planned
+        self._capture_waits: list[float] = []      # seconds from there to settled, not yet shipped
         self.block_size = block_size
         self.layout = layout
         self.num_groups = num_groups
@@ -381,6 +383,7 @@ class SchedulerSide:
         self.unsettled[plan.req_id] = (owed + self.num_workers, time.monotonic() + self.settle_timeout_s)
         if len(self.identities) > 1:
             self.capture_ends.setdefault(plan.req_id, []).append(plan.keys[-1])
+        self._capture_sent[plan.req_id] = time.monotonic()
 
     def _admitted(self, req_id: str, num_computed: int, out: Any, resumed: bool) -> None:
         st = self.reqs.get(req_id)
@@ -450,6 +453,9 @@ class SchedulerSide:
             else:
                 self.unsettled.pop(req_id, None)
                 self._keep_whole_units(self.capture_ends.pop(req_id, ()))
+                sent = self._capture_sent.pop(req_id, None)
+                if sent is not None and len(self._capture_waits) < 4096:  # as stats.MAX_SAMPLES
+                    self._capture_waits.append(time.monotonic() - sent)
 
     def _keep_whole_units(self, last_keys: Iterable[str]) -> None:
         """Every rank reported a request's captures settled: an entry that some ranks
@@ -570,7 +576,13 @@ class SchedulerSide:
                                    "not waiting for it", req_id, self.settle_timeout_s)
                     del self.unsettled[req_id]
                     self.capture_ends.pop(req_id, None)
+                    self._capture_sent.pop(req_id, None)
         return bool(self.unsettled or self.counters.data)
+
+    def take_capture_waits(self) -> list[float]:
+        """Seconds from each settled request's last planned capture to its settling."""
+        out, self._capture_waits = self._capture_waits, []
+        return out
 
     def take_counters(self) -> dict:
         data, self.counters.data = self.counters.data, {}

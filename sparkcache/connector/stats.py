@@ -1,7 +1,8 @@
 """sparkcache numbers on vLLM's own stats path and ``/metrics``.
 
 Both connector halves return a ``SparkcacheStats`` from ``get_kv_connector_stats``:
-``{"counters": {name: delta}, "gauges": {name: value}, "rank_gauges": {rank: {name: value}}}``. vLLM aggregates worker and
+``{"counters": {name: delta}, "gauges": {name: value}, "rank_gauges": {rank: {name: value}},
+"observations": {histogram: [samples]}}``. vLLM aggregates worker and
 scheduler stats, ships them to the frontend, and calls our ``build_prom_metrics`` object's
 ``observe``, which increments ``vllm:sparkcache_*`` counters and sets gauges on vLLM's own
 registry. No request id is ever a label.
@@ -13,6 +14,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                   KVConnectorStats)
+
+from sparkcache.store.results import PUBLISH_FAILURES
 
 from .scheduler_side import SKIP_REASONS
 
@@ -57,6 +60,10 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
                   "captures_publish_failed": "publish_failed",
                   "captures_skipped_slots_full": "skipped_slots_full",
                   "captures_skipped_too_large": "skipped_too_large"}),
+    "publish_failures": ("Publications refused, by reason (over_capacity, low_free_space, "
+                         "no_space, read_only_fs, io_error, lock_timeout, ...), one per rank's "
+                         "shard.", "reason",
+                         {"publish_failed_" + r: r for r in PUBLISH_FAILURES}),
     "lone_shards_removed": ("Shards of entries that some tensor-parallel ranks hold and another "
                             "does not (its publication refused, or evicted from its own root), "
                             "removed so the next capture publishes every rank's.", None,
@@ -80,6 +87,8 @@ GAUGES: dict[str, tuple[str, str, bool]] = {
     "capture_slots_total": ("Capture slots per rank.", "slots_total", True),
     "capacity_used_bytes": ("Allocated bytes in the store.", "used_bytes", True),
     "capacity_limit_bytes": ("Store max_bytes.", "max_bytes", True),
+    "filesystem_free_bytes": ("Free bytes of the filesystem under the root (whatever fills it); "
+                              "publications stop at SPARKCACHE_MIN_FREE_BYTES.", "free_bytes", True),
     "entries": ("Published entries in the store.", "entries", True),
     "captures_unsettled": ("Planned captures whose outcome the workers have not reported yet.",
                            "unsettled_captures", False),
@@ -93,6 +102,24 @@ GAUGES: dict[str, tuple[str, str, bool]] = {
 }
 
 
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            120.0)
+_BYTES = tuple(float(1 << b) for b in range(16, 38, 2))  # 64 KiB .. 64 GiB, x4 apart
+# histogram name -> (help, buckets): samples are shipped as lists per stats interval
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "restore_seconds": ("Wall time of one rank's restore of its shard (read, verify, place), "
+                        "placed or refused.", _SECONDS),
+    "restore_bytes": ("Bytes one rank placed by a verified restore (pages and state).", _BYTES),
+    "publication_seconds": ("Wall time of one rank's publication of its shard, published or "
+                            "refused.", _SECONDS),
+    "publication_bytes": ("Bytes one published shard wrote (objects it did not reuse).", _BYTES),
+    "capture_wait_seconds": ("From a request's last planned capture to every rank's report "
+                             "that it settled (published, refused or skipped).", _SECONDS),
+    "maintenance_pass_seconds": ("Wall time of one maintenance pass, lock wait included.", _SECONDS),
+}
+MAX_SAMPLES = 4096  # per histogram and stats interval: a bound, never reached in practice
+
+
 class SparkcacheStats(KVConnectorStats):
     """``data = {"counters": {...}, "gauges": {...}}`` (plain dicts: it crosses processes)."""
 
@@ -100,7 +127,7 @@ class SparkcacheStats(KVConnectorStats):
         return self.data.setdefault(name, {})
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "gauges": {}, "rank_gauges": {}}
+        self.data = {"counters": {}, "gauges": {}, "rank_gauges": {}, "observations": {}}
 
     def add(self, name: str, n: float = 1) -> None:
         if n:
@@ -109,6 +136,12 @@ class SparkcacheStats(KVConnectorStats):
 
     def set_gauge(self, name: str, value: float) -> None:
         self._part("gauges")[name] = value
+
+    def observe(self, name: str, values: list[float]) -> None:
+        """Histogram samples (``HISTOGRAMS``) to ship with these stats."""
+        if values:
+            samples = self._part("observations").setdefault(name, [])
+            samples.extend(values[:max(0, MAX_SAMPLES - len(samples))])
 
     def set_rank_gauge(self, rank: int, name: str, value: float) -> None:
         """A worker's gauge: one value per tensor-parallel rank, never one rank's over another's."""
@@ -120,6 +153,8 @@ class SparkcacheStats(KVConnectorStats):
         self._part("gauges").update(other.data.get("gauges") or {})
         for rank, gauges in (other.data.get("rank_gauges") or {}).items():
             self._part("rank_gauges").setdefault(rank, {}).update(gauges)
+        for name, values in (other.data.get("observations") or {}).items():
+            self.observe(name, values)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -127,10 +162,13 @@ class SparkcacheStats(KVConnectorStats):
         out.update(self._part("gauges"))
         for rank, gauges in self._part("rank_gauges").items():
             out.update({f"{k}[rank={rank}]": v for k, v in gauges.items()})
+        for name, values in self._part("observations").items():
+            out[f"{name}[count]"] = len(values)
         return out
 
     def is_empty(self) -> bool:
-        return not (self._part("counters") or self._part("gauges") or self._part("rank_gauges"))
+        return not (self._part("counters") or self._part("gauges") or self._part("rank_gauges")
+                    or self._part("observations"))
 
 
 class SparkcachePromMetrics(KVConnectorPromMetrics):
@@ -147,6 +185,12 @@ class SparkcachePromMetrics(KVConnectorPromMetrics):
                 per_engine[idx] = {key: metric.labels(*values, *([lv] if extra else []))
                                    for key, lv in keys.items()}
             self._counters[name] = per_engine
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for name, (doc, buckets) in HISTOGRAMS.items():
+            metric = self._histogram_cls(name=P + name, documentation=doc,
+                                         labelnames=list(labelnames), buckets=list(buckets))
+            self._histograms[name] = {idx: metric.labels(*values)
+                                      for idx, values in per_engine_labelvalues.items()}
         self._rank_gauges: dict[str, Any] = {}
         self._engine_values = per_engine_labelvalues
         for name, (doc, key, per_rank) in GAUGES.items():
@@ -168,6 +212,11 @@ class SparkcachePromMetrics(KVConnectorPromMetrics):
             child = self._gauges.get(key, {}).get(engine_idx)
             if child is not None:
                 child.set(value)
+        for name, samples in (transfer_stats_data.get("observations") or {}).items():
+            child = self._histograms.get(name, {}).get(engine_idx)
+            if child is not None:
+                for value in samples:
+                    child.observe(value)
         values = self._engine_values.get(engine_idx)
         for rank, gauges in (transfer_stats_data.get("rank_gauges") or {}).items():
             for key, value in gauges.items():

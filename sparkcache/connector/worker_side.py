@@ -28,6 +28,8 @@ A writing worker (read-write, store-only) also runs the store's maintenance
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,7 @@ from sparkcache.store.manifests import pages_needed
 from sparkcache.store.objects import CORRUPT, ObjectError
 
 from .capture_slots import CaptureSlots
+from .stats import MAX_SAMPLES
 from .kv_layout import KVLayout, LayoutKind
 from .scheduler_side import StoredPages
 from .worker_maintenance import WorkerMaintenance
@@ -81,6 +84,8 @@ class WorkerSide:
         self.sync_loaded: list[str] = []
         self.sync_failed: list[str] = []
         self.counters: dict[str, float] = {}
+        self._counters_lock = threading.Lock()  # the publication thread counts too
+        self.observations: dict[str, list[float]] = {}  # histogram name -> samples
         self._settled: list[str] = []       # capture plans with a final outcome, not yet taken
         self._settled_reported: list[str] = []  # taken with the last stats, for the worker meta
         self._gauges_at = float("-inf")
@@ -91,9 +96,25 @@ class WorkerSide:
                                       self._publish, metrics)
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
+    def _observe(self, name: str, value: float) -> None:
+        with self._counters_lock:
+            samples = self.observations.setdefault(name, [])
+            if len(samples) < MAX_SAMPLES:  # per stats interval; vLLM takes them every step
+                samples.append(value)
+
+    def take_observations(self) -> dict[str, list[float]]:
+        """Histogram samples since the last call (restores, publications, maintenance passes)."""
+        with self._counters_lock:
+            out, self.observations = self.observations, {}
+        if self.maintenance is not None:
+            for name, values in self.maintenance.take_observations().items():
+                out.setdefault(name, []).extend(values)
+        return out
+
     def _add(self, name: str, n: float = 1) -> None:
         if n:
-            self.counters[name] = self.counters.get(name, 0) + n
+            with self._counters_lock:
+                self.counters[name] = self.counters.get(name, 0) + n
 
     # ------------------------------------------------------------------ setup
 
@@ -134,11 +155,13 @@ class WorkerSide:
 
     def load(self, plan: Any) -> None:
         placed = None
+        started = time.monotonic()
         try:
             placed = self._load(plan)
         except Exception:
             logger.exception("sparkcache: restore of %s failed", plan.req_id)
         ok = placed is not None
+        self._observe("restore_seconds", time.monotonic() - started)
         if plan.sync:
             (self.sync_loaded if ok else self.sync_failed).append(plan.req_id)
             if not ok:
@@ -151,6 +174,7 @@ class WorkerSide:
         if ok:  # how many requests restored is the scheduler's count (once, not per rank)
             self._add("restored_page_bytes", placed[0])
             self._add("restored_state_bytes", placed[1])
+            self._observe("restore_bytes", placed[0] + placed[1])
 
     def _load(self, plan: Any) -> tuple[int, int] | None:
         """Read, verify and place; returns the (page, state) bytes placed, or None when the
@@ -319,7 +343,11 @@ class WorkerSide:
     def _publish(self, job: _PublishJob) -> Any:
         result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp,
                                     state=job.state)
-        if not result.ok:
+        self._observe("publication_seconds", result.duration_s)
+        if result.ok:
+            self._observe("publication_bytes", result.bytes_written)
+        else:
+            self._add("publish_failed_" + result.reason)
             logger.warning("sparkcache: publication refused (%s): %s", result.reason, result.detail)
         if self.maintenance is not None:
             self.maintenance.trigger()
@@ -353,7 +381,8 @@ class WorkerSide:
         if self.slots is not None:
             settled += self.slots.take_settled()
         self._settled_reported += settled
-        counters, self.counters = self.counters, {}
+        with self._counters_lock:
+            counters, self.counters = self.counters, {}
         pass_counters, gauges = self.maintenance.take() if self.maintenance is not None else ({}, {})
         for key, n in pass_counters.items():
             counters[key] = counters.get(key, 0) + n
@@ -373,6 +402,10 @@ class WorkerSide:
         if self.store is not None and (settled or counters or now - self._gauges_at >= gauge_interval_s):
             cap = self.store.capacity()
             gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries)
+            try:
+                gauges["free_bytes"] = self.store.free_bytes()
+            except OSError:
+                pass  # a failing filesystem: the publications' own failures say so
             self._gauges_at = now
         return counters, gauges
 

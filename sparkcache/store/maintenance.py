@@ -7,7 +7,8 @@ still fits):
   1. takes the exclusive gc lock (polled, for at most 20% of the budget);
   2. reads live publications' intents, then re-lists manifests (nothing in flight is lost);
   3. plans: TTL-expired entries, then least-recently-used entries until the projected use
-     is at or under the low watermark (only while above max, or still draining toward low);
+     is at or under the low watermark (only while above max, or still draining toward low)
+     and the filesystem's free space is back at its floor (``min_free_bytes``);
      pinned entries are never planned; the shards that tensor-parallel ranks published of
      one entry (``shard_units``) are planned and evicted together, or not at all when one
      of them is pinned;
@@ -292,9 +293,15 @@ def _plan(store: Any, pinned: set[str], now: float):
         for e in candidates:
             if now - e.last_access > store.ttl_seconds:
                 yield from drop(e, True)
-    if projected > store.max_bytes or (store.draining and projected > store.low_watermark_bytes):
+    over = projected > store.max_bytes or (store.draining and projected > store.low_watermark_bytes)
+    # below the free-space floor: evict this much more, and an eighth of the floor beyond it
+    # so that publications resume (they need the floor kept after their own bytes)
+    short = store.free_space_deficit()
+    short = short + store.min_free_bytes // 8 if short > 0 else 0
+    if over or short > 0:
+        start = projected
         for e in candidates:
-            if projected <= store.low_watermark_bytes:
+            if (not over or projected <= store.low_watermark_bytes) and start - projected >= short:
                 break
             yield from drop(e, False)
 
@@ -359,12 +366,15 @@ def _unlink_counted(store: Any, digest: str) -> bool:
 
 
 def pass_due(store: Any, now: float | None = None) -> bool:
-    """Whether capacity or TTL asks for a pass (cheap; reads the in-memory view)."""
+    """Whether capacity, the free-space floor or TTL asks for a pass (cheap: the in-memory
+    view and one statvfs)."""
     now = time.time() if now is None else now
     cap = store.capacity()
     if cap.used_bytes > store.max_bytes:
         return True
     if store.draining and cap.used_bytes > store.low_watermark_bytes:
+        return True
+    if store.free_space_deficit() > 0 and cap.entries:
         return True
     if store.ttl_seconds > 0:
         with store._mutex:

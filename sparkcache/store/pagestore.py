@@ -25,17 +25,18 @@ from .objects import ObjectError, ObjectStore
 from .pacing import UnitCosts
 from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
-from .results import (ABSENT, BASE_ABSENT, HIT, NOT_FOUND, OVER_CAPACITY, PUBLISHED,
+from .results import (ABSENT, BASE_ABSENT, HIT, LOW_FREE_SPACE, NOT_FOUND, OVER_CAPACITY, PUBLISHED,
                       CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
+from ..settings import format_bytes
 
 
 class PageStore:
     def __init__(self, root: str, *, namespace: str = "default", max_bytes: int = 40 << 30,
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
                  ttl_seconds: float = 0.0, page_blocks: int = 16, metrics: Any = None,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, min_free_bytes: int = 0) -> None:
         """A writer recovers dead publications on open. ``read_only``: a reader that writes
         nothing under the root (restore-only, the CLI's status and inspect; works on a
         read-only mount): no directories made, no recovery, lookups neither record the
@@ -48,6 +49,7 @@ class PageStore:
         self.objects = ObjectStore(self.layout, unit)
         self.max_bytes = max_bytes
         self.low_watermark_bytes = low_watermark_bytes
+        self.min_free_bytes = min_free_bytes  # free-space floor of the filesystem (0: none)
         self.lease_seconds = lease_seconds
         self.ttl_seconds = ttl_seconds
         self.page_blocks = page_blocks
@@ -71,7 +73,8 @@ class PageStore:
         return cls(settings.root, namespace=settings.namespace, max_bytes=settings.max_bytes,
                    low_watermark_bytes=settings.low_watermark_bytes,
                    lease_seconds=settings.lease_seconds, ttl_seconds=settings.ttl_seconds,
-                   page_blocks=settings.page_blocks, metrics=metrics, read_only=read_only)
+                   page_blocks=settings.page_blocks, metrics=metrics, read_only=read_only,
+                   min_free_bytes=settings.min_free_bytes)
 
     # ------------------------------------------------------------------ startup
 
@@ -122,6 +125,15 @@ class PageStore:
                                     f"store holds {self.index.used_bytes} bytes, above "
                                     f"max_bytes={self.max_bytes}; maintenance will evict down to "
                                     "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
+            incoming = sum(len(p) for p in pages if p is not None) + (len(state) if state is not None else 0)
+            short = self.free_space_deficit(incoming)
+            if short > 0:
+                return self._failed(LOW_FREE_SPACE, started, entry_id,
+                                    f"the filesystem under {self.layout.base} would keep "
+                                    f"{format_bytes(max(0, self.free_bytes() - incoming))} free after "
+                                    f"this publication, under SPARKCACHE_MIN_FREE_BYTES="
+                                    f"{format_bytes(self.min_free_bytes)}; maintenance evicts to "
+                                    "restore it (free space on the volume, or lower the floor)")
             try:
                 reused_refs = self._resolve_missing_pages(idd, keys, bpp, pages)
             except LookupError as exc:
@@ -463,6 +475,21 @@ class PageStore:
             self.index.refresh()
             return CapacitySnapshot(len(self.index.entries), self.index.used_bytes,
                                     self.max_bytes, self.low_watermark_bytes, len(self.index.bad))
+
+    def free_bytes(self) -> int:
+        """Bytes the filesystem under the store has free for this process (``f_bavail``)."""
+        st = os.statvfs(self.layout.base)
+        return st.f_bavail * st.f_frsize
+
+    def free_space_deficit(self, incoming: int = 0) -> int:
+        """How many bytes would have to be freed to keep the free-space floor after writing
+        ``incoming`` more; 0 when there is no floor or it is kept."""
+        if self.min_free_bytes <= 0:
+            return 0
+        try:
+            return max(0, self.min_free_bytes + incoming - self.free_bytes())
+        except OSError:
+            return 0  # a failing filesystem shows itself on the write
 
     def entries(self) -> list[IndexedEntry]:
         """Every published entry, as the store holds them now."""

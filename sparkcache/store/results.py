@@ -18,6 +18,7 @@ ABSENT = "absent"
 # Publication reasons.
 PUBLISHED = "published"
 OVER_CAPACITY = "over_capacity"
+LOW_FREE_SPACE = "low_free_space"  # the filesystem's free space under SPARKCACHE_MIN_FREE_BYTES
 BASE_ABSENT = "base_absent"
 
 # Both: the filesystem or a stuck process stopped the operation (a lookup then misses).
@@ -27,7 +28,7 @@ IO_ERROR = "io_error"  # EIO, EACCES and any other OS error
 LOCK_TIMEOUT = "lock_timeout"  # the gc lock stayed held past the wait bound
 UNSAFE_PATH = "unsafe_path"  # a link or a wrong file kind where a store directory belongs
 
-PUBLISH_FAILURES = (OVER_CAPACITY, BASE_ABSENT, NO_SPACE, READ_ONLY_FS, IO_ERROR, LOCK_TIMEOUT,
+PUBLISH_FAILURES = (OVER_CAPACITY, LOW_FREE_SPACE, BASE_ABSENT, NO_SPACE, READ_ONLY_FS, IO_ERROR, LOCK_TIMEOUT,
                     UNSAFE_PATH)
 LOOKUP_MISSES = (NOT_FOUND, CORRUPT, ABSENT, NO_SPACE, READ_ONLY_FS, IO_ERROR, LOCK_TIMEOUT,
                  UNSAFE_PATH)

@@ -75,16 +75,17 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
 
 @contextlib.contextmanager
 def serve(model: str, tmp: Path, root: Path, *, block_size: int = BLOCK,
-          extra_args: tuple[str, ...] = ()):
-    """One ``vllm serve`` life on 127.0.0.1 with sparkcache read-write on ``root``; yields
-    ``{"base", "root", "log"}`` once healthy, kills its process group afterwards."""
+          extra_args: tuple[str, ...] = (), port: int | None = None, extra_config: dict | None = None):
+    """One ``vllm serve`` life on 127.0.0.1 (``port``, or a free one) with sparkcache
+    read-write on ``root`` (plus ``extra_config`` settings); yields ``{"base", "root", "log"}``
+    once healthy, kills its process group afterwards."""
     template = tmp / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    port = _free_port()
+    port = port or _free_port()
     kvt = {"kv_connector": "SparkcacheConnector", "kv_connector_module_path": "sparkcache.connector",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"root": str(root), "access_mode": "read-write",
-                                         "min_span_tokens": 64}}
+                                         "min_span_tokens": 64, **(extra_config or {})}}
     # ``vllm serve`` is ``vllm.entrypoints.cli.main``, which needs vLLM's package metadata
     # (absent in this venv's build) only for its --version string; the server it starts is
     # this module's, so run that directly with the same arguments.
@@ -257,6 +258,11 @@ def test_metrics_on_the_idle_server_match_the_records_and_the_store(chat):
     published = _value(m, "vllm:sparkcache_captures_total", outcome="published")
     failed = _value(m, "vllm:sparkcache_captures_total", outcome="publish_failed")
     assert queued >= 1 and published + failed == queued, (queued, published, failed)
+    # one latency sample per publication, one size sample per published shard
+    assert _value(m, "vllm:sparkcache_publication_seconds_count") == published + failed
+    assert _value(m, "vllm:sparkcache_publication_bytes_count") == published
+    assert _value(m, "vllm:sparkcache_restore_seconds_count") == 0  # one life: nothing restored
+    assert _value(m, "vllm:sparkcache_filesystem_free_bytes") > 0
     assert _value(m, "vllm:sparkcache_publication_pending_slots") == 0
     # the workers' settle reports reached the scheduler (else it waits 120 s for them)
     assert _value(m, "vllm:sparkcache_captures_unsettled") == 0

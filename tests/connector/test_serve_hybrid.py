@@ -60,3 +60,23 @@ def test_the_turn_after_the_restart_is_restored_with_its_recurrent_state(lives):
         _record(r)["external_tokens"] for r in lives["second"])
     # the first life published pages and states
     assert _value(lives["first_metrics"], "vllm:sparkcache_captured_bytes_total", kind="state") > 0
+
+
+def test_the_histograms_count_every_restore_and_publication(lives):
+    """Each restore and each publication is one sample of its latency histogram (and, when it
+    placed or wrote bytes, of its size histogram); each request's captures settling, one
+    sample of the capture wait."""
+    for life in ("first_metrics", "second_metrics"):
+        m = lives[life]
+        restores = sum(_value(m, "vllm:sparkcache_restores_total", outcome=o) for o in ("ok", "refused"))
+        assert _value(m, "vllm:sparkcache_restore_seconds_count") == restores, life
+        assert _value(m, "vllm:sparkcache_restore_bytes_count") == _value(
+            m, "vllm:sparkcache_restores_total", outcome="ok"), life
+        published = _value(m, "vllm:sparkcache_captures_total", outcome="published")
+        failed = _value(m, "vllm:sparkcache_captures_total", outcome="publish_failed")
+        assert published > 0 and _value(m, "vllm:sparkcache_publication_seconds_count") == published + failed
+        assert _value(m, "vllm:sparkcache_publication_bytes_count") == published
+        assert _value(m, "vllm:sparkcache_capture_wait_seconds_count") >= 3  # each turn settles once or more
+        assert _value(m, "vllm:sparkcache_maintenance_pass_seconds_count") == _value(
+            m, "vllm:sparkcache_maintenance_passes_total")
+    assert _value(lives["second_metrics"], "vllm:sparkcache_restore_seconds_count") >= 1

@@ -145,3 +145,22 @@ def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path):
         holder.kill()
         holder.wait()
         worker.close()
+
+
+def test_a_refused_publication_is_shipped_with_its_reason_and_free_space_with_the_gauges(tmp_path):
+    """A floor no volume here meets: every publication is refused as low_free_space, shipped
+    as ``publish_failed_low_free_space`` (``vllm:sparkcache_publish_failures_total{reason=...}``),
+    next to the filesystem's free bytes."""
+    worker = _worker(tmp_path / "store", "read-write", min_free_bytes=1 << 50)
+    try:
+        counters: dict[str, float] = {}
+        gauges: dict[str, float] = {}
+        tokens = list(range(BLOCKS_PER_ENTRY * BLOCK + 1))
+        worker.capture(CapturePlan("req", BlockKeys(BLOCK).upto(tokens, BLOCKS_PER_ENTRY), 0,
+                                   [list(range(BLOCKS_PER_ENTRY))]))
+        _stats_until(worker, counters, gauges, lambda: counters.get("captures_publish_failed", 0) == 1)
+    finally:
+        worker.close()
+    assert counters["publish_failed_low_free_space"] == 1 and worker.store.capacity().entries == 0
+    assert 0 < gauges["free_bytes"] < 1 << 50
+    assert "publish_failed_low_free_space" in {key for _, _, keys in COUNTERS.values() for key in keys}

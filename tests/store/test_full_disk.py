@@ -64,3 +64,36 @@ def test_publication_on_full_disk(small_disk):
     assert store.fetch(IDENT, conv_keys(failed_conv, 16))[1].ok
     report = verify_store(store.layout)
     assert report.ok, report.problems
+
+
+def test_the_free_space_floor_refuses_publications_and_maintenance_restores_it(small_disk):
+    """Another tenant fills the volume under the store: once a publication would leave less
+    free than SPARKCACHE_MIN_FREE_BYTES it is refused (a reason, a fix, a counter), earlier
+    entries stay readable, and a maintenance pass evicts the least recently used entries
+    until the floor (and an eighth of it) is free again, so publishing resumes."""
+    from sparkcache.store import PassBudget, pass_due, run_pass
+
+    metrics = StoreMetrics()
+    floor = 1 << 20
+    store = open_store(os.path.join(small_disk, "store"), page_blocks=4, metrics=metrics,
+                       max_bytes=1 << 30, low_watermark_bytes=1 << 29, min_free_bytes=floor)
+    for conv in range(30):  # 16 KiB of pages and a manifest each: about 600 KiB in all
+        assert store.publish(IDENT, conv_keys(conv, 16), conv_pages(conv, 16, 4, 1024)).ok
+    assert store.free_space_deficit() == 0 and not pass_due(store)
+    filler = os.path.join(small_disk, "other-tenant")
+    with open(filler, "wb") as f:  # leaves 64 KiB less than the floor free
+        f.write(b"\0" * (store.free_bytes() - floor + (64 << 10)))
+    refused = store.publish(IDENT, conv_keys(50, 16), conv_pages(50, 16, 4, 1024))
+    assert not refused.ok and refused.reason == "low_free_space", refused
+    assert "SPARKCACHE_MIN_FREE_BYTES=1MiB" in refused.detail and "maintenance evicts" in refused.detail
+    assert metrics.publish_failures("low_free_space") == 1
+    for conv in range(30):
+        lookup, read = store.fetch(IDENT, conv_keys(conv, 16))
+        assert lookup.hit_blocks == 16 and read.ok
+    assert pass_due(store)
+    report = run_pass(store, PassBudget())
+    assert 0 < report.entries_evicted < 30 and store.free_bytes() >= floor + floor // 8
+    assert not store.lookup(IDENT, conv_keys(0, 16)).hit  # the oldest went first
+    assert store.lookup(IDENT, conv_keys(29, 16)).hit
+    assert store.publish(IDENT, conv_keys(50, 16), conv_pages(50, 16, 4, 1024)).ok
+    assert verify_store(store.layout).ok
