@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make a Docker Engine answer on /var/run/docker.sock, and make sure the tools the image builder
-# uses are installed (Debian's docker.io, docker-registry, debootstrap, skopeo).
+# uses are installed (Debian's docker.io, docker-registry, debootstrap, skopeo), and Prometheus
+# (Debian's prometheus: promtool and the server the monitoring test scrapes vLLM with).
 #
 # On Debian as root: installs what is missing with apt-get and starts
 #   dockerd --bridge=none --iptables=false --ip-masq=false
@@ -13,6 +14,7 @@ command -v dockerd >/dev/null 2>&1 || need_pkgs+=(docker.io)
 command -v docker-registry >/dev/null 2>&1 || need_pkgs+=(docker-registry)
 command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
 command -v skopeo >/dev/null 2>&1 || need_pkgs+=(skopeo)
+command -v promtool >/dev/null 2>&1 || need_pkgs+=(prometheus)
 
 engine_answers() {
   # The SDK's own ping: the same thing build.py asks.
@@ -24,13 +26,19 @@ PY
 
 if ((${#need_pkgs[@]})); then
   if [[ $(id -u) -ne 0 || ! -r /etc/debian_version ]]; then
-    log "missing: ${need_pkgs[*]}; install Debian's packages docker.io docker-registry debootstrap skopeo (as root: apt-get install ${need_pkgs[*]}), or the equivalents for your system, and start dockerd with --bridge=none --iptables=false --ip-masq=false"
+    log "missing: ${need_pkgs[*]}; install Debian's packages docker.io docker-registry debootstrap skopeo prometheus (as root: apt-get install ${need_pkgs[*]}), or the equivalents for your system, and start dockerd with --bridge=none --iptables=false --ip-masq=false"
     exit 2
   fi
   log "installing ${need_pkgs[*]} from Debian's packages"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >&2
+  # no package starts its service (dockerd, prometheus on every interface): dockerd is started
+  # below with its flags, Prometheus only by the test that needs it, on 127.0.0.1
+  policy=/usr/sbin/policy-rc.d
+  made_policy=
+  if [[ ! -e $policy ]]; then printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; made_policy=1; fi
   apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >&2
+  if [[ -n $made_policy ]]; then rm -f "$policy"; fi
 fi
 
 if engine_answers; then
