@@ -14,7 +14,7 @@ command -v dockerd >/dev/null 2>&1 || need_pkgs+=(docker.io)
 command -v docker-registry >/dev/null 2>&1 || need_pkgs+=(docker-registry)
 command -v debootstrap >/dev/null 2>&1 || need_pkgs+=(debootstrap)
 command -v skopeo >/dev/null 2>&1 || need_pkgs+=(skopeo)
-command -v promtool >/dev/null 2>&1 || need_pkgs+=(prometheus)
+{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || need_pkgs+=(prometheus)
 
 engine_answers() {
   # The SDK's own ping: the same thing build.py asks.
@@ -35,10 +35,12 @@ if ((${#need_pkgs[@]})); then
   # no package starts its service (dockerd, prometheus on every interface): dockerd is started
   # below with its flags, Prometheus only by the test that needs it, on 127.0.0.1
   policy=/usr/sbin/policy-rc.d
-  made_policy=
-  if [[ ! -e $policy ]]; then printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; made_policy=1; fi
+  if [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy"
+    chmod +x "$policy"
+    trap 'rm -f "$policy"' EXIT  # also when the install fails
+  fi
   apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >&2
-  if [[ -n $made_policy ]]; then rm -f "$policy"; fi
 fi
 
 if engine_answers; then

@@ -28,9 +28,12 @@ def test_the_compose_example_gives_each_rank_its_volume_and_pins_the_image():
     settings = load_settings(env={f"{k}": str(v) for k, v in env.items() if k.startswith("SPARKCACHE_")})
     assert settings.per_rank_root
     mounts = {v.split(":")[1]: v.split(":")[0] for v in vllm["volumes"]}
-    for rank in range(ranks):
-        assert mounts[settings.for_rank(rank).root] in spec["volumes"]  # a named volume each
-    assert len({mounts[settings.for_rank(r).root] for r in range(ranks)}) == ranks
+    devices = set()
+    for rank in range(ranks):  # a volume each, bound to its own host directory
+        volume = spec["volumes"][mounts[settings.for_rank(rank).root]]
+        assert volume["driver_opts"]["o"] == "bind"
+        devices.add(volume["driver_opts"]["device"])
+    assert len(devices) == ranks
     assert vllm["ipc"] == "host" and all(p.startswith("127.0.0.1:") for p in vllm["ports"])
     kvt = json.loads(args["--kv-transfer-config"].replace("\n", " "))
     assert kvt["kv_connector"] == "SparkcacheConnector" and kvt["kv_load_failure_policy"] == "recompute"

@@ -310,7 +310,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             stats.set_gauge("pending_block_frees", len(self._sched.awaiting_send) +
                             len(self._sched.awaiting_recv_free))
             stats.set_gauge("unsettled_captures", len(self._sched.unsettled))
-            stats.observe("capture_wait_seconds", self._sched.take_capture_waits())
+            for name, values in self._sched.samples.take().items():
+                stats.observe(name, values)
         if self._worker is not None:
             counters, gauges = self._worker.take_stats(time.monotonic())
             for k, v in counters.items():

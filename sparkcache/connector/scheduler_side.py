@@ -51,6 +51,7 @@ from .attribution import AttributionRecord, emit
 from .identity import AdapterFingerprints
 from .keys import BlockKeys, request_extra_keys
 from .kv_layout import KVLayout, LayoutKind
+from .samples import Samples
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -147,7 +148,7 @@ class SchedulerSide:
         self.capture_ends: dict[str, list[str]] = {}  # req_id -> last keys of its unsettled captures
         self._next_reconcile = 0.0
         self._capture_sent: dict[str, float] = {}  # req_id -> when its last capture was planned
-        self._capture_waits: list[float] = []      # seconds from there to settled, not yet shipped
+        self.samples = Samples()                    # capture waits, for the histogram
         self.block_size = block_size
         self.layout = layout
         self.num_groups = num_groups
@@ -454,8 +455,8 @@ class SchedulerSide:
                 self.unsettled.pop(req_id, None)
                 self._keep_whole_units(self.capture_ends.pop(req_id, ()))
                 sent = self._capture_sent.pop(req_id, None)
-                if sent is not None and len(self._capture_waits) < 4096:  # as stats.MAX_SAMPLES
-                    self._capture_waits.append(time.monotonic() - sent)
+                if sent is not None:
+                    self.samples.add("capture_wait_seconds", time.monotonic() - sent)
 
     def _keep_whole_units(self, last_keys: Iterable[str]) -> None:
         """Every rank reported a request's captures settled: an entry that some ranks
@@ -578,11 +579,6 @@ class SchedulerSide:
                     self.capture_ends.pop(req_id, None)
                     self._capture_sent.pop(req_id, None)
         return bool(self.unsettled or self.counters.data)
-
-    def take_capture_waits(self) -> list[float]:
-        """Seconds from each settled request's last planned capture to its settling."""
-        out, self._capture_waits = self._capture_waits, []
-        return out
 
     def take_counters(self) -> dict:
         data, self.counters.data = self.counters.data, {}

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
 
 from sparkcache.store.results import PUBLISH_FAILURES
 
+from .samples import MAX_SAMPLES
 from .scheduler_side import SKIP_REASONS
 
 P = "vllm:sparkcache_"
@@ -89,6 +90,8 @@ GAUGES: dict[str, tuple[str, str, bool]] = {
     "capacity_limit_bytes": ("Store max_bytes.", "max_bytes", True),
     "filesystem_free_bytes": ("Free bytes of the filesystem under the root (whatever fills it); "
                               "publications stop at SPARKCACHE_MIN_FREE_BYTES.", "free_bytes", True),
+    "filesystem_floor_bytes": ("SPARKCACHE_MIN_FREE_BYTES: the free space maintenance keeps "
+                               "(0: no floor).", "floor_bytes", True),
     "entries": ("Published entries in the store.", "entries", True),
     "captures_unsettled": ("Planned captures whose outcome the workers have not reported yet.",
                            "unsettled_captures", False),
@@ -117,7 +120,6 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
                              "that it settled (published, refused or skipped).", _SECONDS),
     "maintenance_pass_seconds": ("Wall time of one maintenance pass, lock wait included.", _SECONDS),
 }
-MAX_SAMPLES = 4096  # per histogram and stats interval: a bound, never reached in practice
 
 
 class SparkcacheStats(KVConnectorStats):

@@ -16,7 +16,7 @@ from typing import Any
 
 from sparkcache.store import MaintenanceThread, PassBudget, PassReport
 
-from .stats import MAX_SAMPLES
+from .samples import Samples
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -27,7 +27,7 @@ class WorkerMaintenance:
         self._lock = threading.Lock()
         self._counters: dict[str, float] = {}
         self._gauges: dict[str, float] = {}
-        self._pass_seconds: list[float] = []
+        self.samples = Samples()  # pass durations, for the histogram
         self._error_logged = False
         self.thread = MaintenanceThread(
             store, PassBudget.from_settings(settings), settings.maintenance_interval_seconds,
@@ -41,6 +41,7 @@ class WorkerMaintenance:
 
     def _on_pass(self, report: PassReport) -> None:
         """Runs on the maintenance thread: fold one pass into the next stats."""
+        self.samples.add("maintenance_pass_seconds", report.duration_s)
         with self._lock:
             for key, n in (("evicted_entries", report.entries_evicted + report.entries_expired),
                            ("bytes_reclaimed", report.bytes_reclaimed),
@@ -49,15 +50,8 @@ class WorkerMaintenance:
                             report.stopped_by in ("lock", "error"))):
                 if n:
                     self._counters[key] = self._counters.get(key, 0) + n
-            if len(self._pass_seconds) < MAX_SAMPLES:
-                self._pass_seconds.append(report.duration_s)
             self._gauges.update(maintenance_last_pass_duration_seconds=report.duration_s,
                                 maintenance_remaining_entries=report.remaining_entries)
-
-    def take_observations(self) -> dict[str, list[float]]:
-        with self._lock:
-            seconds, self._pass_seconds = self._pass_seconds, []
-        return {"maintenance_pass_seconds": seconds} if seconds else {}
 
     def take(self) -> tuple[dict, dict]:
         """Counter deltas and gauges since the last call (the health gauge every time)."""

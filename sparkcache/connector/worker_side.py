@@ -38,8 +38,8 @@ from sparkcache.store.manifests import pages_needed
 from sparkcache.store.objects import CORRUPT, ObjectError
 
 from .capture_slots import CaptureSlots
-from .stats import MAX_SAMPLES
 from .kv_layout import KVLayout, LayoutKind
+from .samples import Samples
 from .scheduler_side import StoredPages
 from .worker_maintenance import WorkerMaintenance
 
@@ -85,7 +85,7 @@ class WorkerSide:
         self.sync_failed: list[str] = []
         self.counters: dict[str, float] = {}
         self._counters_lock = threading.Lock()  # the publication thread counts too
-        self.observations: dict[str, list[float]] = {}  # histogram name -> samples
+        self.samples = Samples()  # restore and publication times and sizes
         self._settled: list[str] = []       # capture plans with a final outcome, not yet taken
         self._settled_reported: list[str] = []  # taken with the last stats, for the worker meta
         self._gauges_at = float("-inf")
@@ -96,19 +96,11 @@ class WorkerSide:
                                       self._publish, metrics)
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
-    def _observe(self, name: str, value: float) -> None:
-        with self._counters_lock:
-            samples = self.observations.setdefault(name, [])
-            if len(samples) < MAX_SAMPLES:  # per stats interval; vLLM takes them every step
-                samples.append(value)
-
     def take_observations(self) -> dict[str, list[float]]:
         """Histogram samples since the last call (restores, publications, maintenance passes)."""
-        with self._counters_lock:
-            out, self.observations = self.observations, {}
+        out = self.samples.take()
         if self.maintenance is not None:
-            for name, values in self.maintenance.take_observations().items():
-                out.setdefault(name, []).extend(values)
+            out.update(self.maintenance.samples.take())
         return out
 
     def _add(self, name: str, n: float = 1) -> None:
@@ -161,7 +153,7 @@ class WorkerSide:
         except Exception:
             logger.exception("sparkcache: restore of %s failed", plan.req_id)
         ok = placed is not None
-        self._observe("restore_seconds", time.monotonic() - started)
+        self.samples.add("restore_seconds", time.monotonic() - started)
         if plan.sync:
             (self.sync_loaded if ok else self.sync_failed).append(plan.req_id)
             if not ok:
@@ -174,7 +166,7 @@ class WorkerSide:
         if ok:  # how many requests restored is the scheduler's count (once, not per rank)
             self._add("restored_page_bytes", placed[0])
             self._add("restored_state_bytes", placed[1])
-            self._observe("restore_bytes", placed[0] + placed[1])
+            self.samples.add("restore_bytes", placed[0] + placed[1])
 
     def _load(self, plan: Any) -> tuple[int, int] | None:
         """Read, verify and place; returns the (page, state) bytes placed, or None when the
@@ -343,9 +335,9 @@ class WorkerSide:
     def _publish(self, job: _PublishJob) -> Any:
         result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp,
                                     state=job.state)
-        self._observe("publication_seconds", result.duration_s)
+        self.samples.add("publication_seconds", result.duration_s)
         if result.ok:
-            self._observe("publication_bytes", result.bytes_written)
+            self.samples.add("publication_bytes", result.bytes_written)
         else:
             self._add("publish_failed_" + result.reason)
             logger.warning("sparkcache: publication refused (%s): %s", result.reason, result.detail)
@@ -403,7 +395,7 @@ class WorkerSide:
             cap = self.store.capacity()
             gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries)
             try:
-                gauges["free_bytes"] = self.store.free_bytes()
+                gauges.update(free_bytes=self.store.free_bytes(), floor_bytes=self.store.min_free_bytes)
             except OSError:
                 pass  # a failing filesystem: the publications' own failures say so
             self._gauges_at = now

@@ -50,6 +50,7 @@ class PageStore:
         self.max_bytes = max_bytes
         self.low_watermark_bytes = low_watermark_bytes
         self.min_free_bytes = min_free_bytes  # free-space floor of the filesystem (0: none)
+        self.free_wanted = 0  # bytes the last publication refused under the floor needed
         self.lease_seconds = lease_seconds
         self.ttl_seconds = ttl_seconds
         self.page_blocks = page_blocks
@@ -125,9 +126,13 @@ class PageStore:
                                     f"store holds {self.index.used_bytes} bytes, above "
                                     f"max_bytes={self.max_bytes}; maintenance will evict down to "
                                     "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
-            incoming = sum(len(p) for p in pages if p is not None) + (len(state) if state is not None else 0)
-            short = self.free_space_deficit(incoming)
-            if short > 0:
+            # what this publication allocates at most: its new objects and the manifest
+            unit = self.index.alloc_unit
+            incoming = (sum(allocated(len(p), unit) for p in pages if p is not None) + unit
+                        + (allocated(len(state), unit) if state is not None else 0))
+            if self.free_space_deficit(incoming) > 0:
+                # maintenance frees what this publication needed, not only what the floor does
+                self.free_wanted = max(self.free_wanted, incoming)
                 return self._failed(LOW_FREE_SPACE, started, entry_id,
                                     f"the filesystem under {self.layout.base} would keep "
                                     f"{format_bytes(max(0, self.free_bytes() - incoming))} free after "
@@ -161,6 +166,7 @@ class PageStore:
         bytes_written = writer.bytes_written
         with self._mutex:
             self.index.load(idd, entry_id)
+            self.free_wanted = 0
         superseded = self._supersede_shorter(idd, keys)
         result = PublishResult(True, PUBLISHED, entry_id, "", written, len(refs) - written,
                                bytes_written, superseded, time.monotonic() - started)
@@ -481,9 +487,11 @@ class PageStore:
         st = os.statvfs(self.layout.base)
         return st.f_bavail * st.f_frsize
 
-    def free_space_deficit(self, incoming: int = 0) -> int:
+    def free_space_deficit(self, incoming: int | None = None) -> int:
         """How many bytes would have to be freed to keep the free-space floor after writing
-        ``incoming`` more; 0 when there is no floor or it is kept."""
+        ``incoming`` more (default: what the last publication refused under the floor
+        needed); 0 when there is no floor or it is kept."""
+        incoming = self.free_wanted if incoming is None else incoming
         if self.min_free_bytes <= 0:
             return 0
         try:

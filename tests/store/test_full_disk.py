@@ -97,3 +97,27 @@ def test_the_free_space_floor_refuses_publications_and_maintenance_restores_it(s
     assert store.lookup(IDENT, conv_keys(29, 16)).hit
     assert store.publish(IDENT, conv_keys(50, 16), conv_pages(50, 16, 4, 1024)).ok
     assert verify_store(store.layout).ok
+
+
+def test_a_publication_larger_than_the_room_above_the_floor_gets_its_room(small_disk):
+    """The volume sits just above the floor (nothing under it yet), and a publication needs
+    more than what is left above: it is refused, and the refusal itself makes maintenance
+    evict what that publication needed, so the retry goes through (never refused forever)."""
+    from sparkcache.store import PassBudget, pass_due, run_pass
+
+    floor = 1 << 20
+    store = open_store(os.path.join(small_disk, "store"), page_blocks=4, max_bytes=1 << 30,
+                       low_watermark_bytes=1 << 29, min_free_bytes=floor)
+    for conv in range(30):
+        assert store.publish(IDENT, conv_keys(conv, 16), conv_pages(conv, 16, 4, 1024)).ok
+    with open(os.path.join(small_disk, "other-tenant"), "wb") as f:  # 40 KiB above the floor left
+        f.write(b"\0" * (store.free_bytes() - floor - (40 << 10)))
+    assert store.free_space_deficit(0) == 0 and not pass_due(store)
+    big = conv_pages(90, 32, 4, 4096)  # 128 KiB of pages
+    refused = store.publish(IDENT, conv_keys(90, 32), big)
+    assert not refused.ok and refused.reason == "low_free_space"
+    assert pass_due(store)
+    run_pass(store, PassBudget())
+    assert store.publish(IDENT, conv_keys(90, 32), big).ok
+    assert store.free_wanted == 0 and store.free_bytes() >= floor
+    assert verify_store(store.layout).ok
