@@ -41,8 +41,8 @@ def shard_units(entries: Iterable[IndexedEntry]) -> dict[str, list[IndexedEntry]
 
 
 def incomplete_units(entries: Iterable[IndexedEntry], ranks: int) -> list[IncompleteUnit]:
-    """The units of ``entries`` (one store root that every rank of a ``ranks``-way
-    tensor-parallel engine writes) that lack some rank's shard."""
+    """The units of ``entries`` (the shards a ``ranks``-way tensor-parallel engine wrote,
+    from one shared root or from every rank's own) that lack some rank's shard."""
     seen: dict[int, list[IndexedEntry]] = {}
     for unit in shard_units(entries).values():
         seen[id(unit)] = unit
