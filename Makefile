@@ -34,10 +34,16 @@ test-upstream-full: venv sdist
 clean:
 	rm -rf $(VENV) .cache
 
-.PHONY: image docker-setup
+.PHONY: image image-cuda docker-setup
 # Build the default CPU image through the local registry; prints REGISTRY/REPO@sha256:... on stdout.
 image: venv docker-setup
 	$(VENV)/bin/python build.py
+
+# The CUDA image (images/vllm-cuda.yaml: upstream vLLM, CUDA torch and its nvidia-* wheels, several GB
+# from PyPI), built, pushed and verified with every contract that needs no GPU. Heavy and opt-in: not
+# part of `make test`. Prints REGISTRY/REPO@sha256:... on stdout.
+image-cuda: venv docker-setup
+	@ref=$$($(VENV)/bin/python build.py --spec images/vllm-cuda.yaml) && $(VENV)/bin/python build.py verify "$$ref" >&2 && echo "$$ref"
 
 # A Docker Engine that answers (on Debian as root: installs docker.io, docker-registry, debootstrap, skopeo
 # and starts dockerd --bridge=none --iptables=false --ip-masq=false).

@@ -3,7 +3,7 @@
 
   python build.py [--spec images/vllm-cpu.yaml] [--registry HOST:PORT/REPO] [--dry-run] [--no-cache] [--receipt PATH]
   python build.py verify REGISTRY/REPO@sha256:... [--receipt PATH] [--upstream image|ci|full]
-  python build.py pin-wheels --spec SPEC --python-version 3.N --glibc 2.N [--no-deps] [-r FILE] [--write]
+  python build.py pin-wheels --spec SPEC [--glibc 2.N] [--no-deps] [-r FILE] [--write]
 
 build: resolves every input to a digest (the base image: made with debootstrap and pushed, or named
 by digest in the spec; each wheel: downloaded into .cache/wheelhouse and sha256-checked; the
@@ -19,8 +19,9 @@ Timestamps come from SOURCE_DATE_EPOCH (default: the commit time of HEAD, or 0 w
 verify: pulls the reference by digest, runs the contract suite (contracts/) inside it with no
 network, and exits with the suite's exit status.
 
-pin-wheels: resolves the wheels an image needs for the image's Python and glibc (pip's resolver in
-report mode, nothing installed) and prints or writes the spec's 'NAME==VERSION sha256:...' lines.
+pin-wheels: resolves the wheels an image needs for the image's Python (the spec's python_version) and
+glibc (its debootstrap suite's, or --glibc) with pip's resolver in report mode, nothing installed, and
+prints or writes the spec's 'NAME==VERSION sha256:...' lines.
 
 If no Docker Engine answers: on Debian as root, images/setup-docker.sh installs docker.io,
 docker-registry, debootstrap and skopeo and starts dockerd --bridge=none --iptables=false
@@ -70,8 +71,8 @@ def pin_parser() -> argparse.ArgumentParser:
     p.add_argument("requirements", nargs="*", metavar="NAME==VERSION", help="what to resolve (default: the spec's vllm_distribution==vllm_version)")
     p.add_argument("--spec", type=Path, default=REPO_ROOT / "images" / "vllm-cpu.yaml", help="the spec to pin (default: images/vllm-cpu.yaml)")
     p.add_argument("-r", "--requirements-file", type=Path, help="also resolve every NAME==VERSION line of this file (e.g. requirements/cpu.lock)")
-    p.add_argument("--python-version", required=True, help="the image's Python, 3.N (Debian bookworm: 3.11; Ubuntu 24.04: 3.12)")
-    p.add_argument("--glibc", required=True, help="the image's glibc, 2.N (Debian bookworm: 2.36; Ubuntu 24.04: 2.39)")
+    p.add_argument("--python-version", help="the image's Python, 3.N (default: the spec's python_version; another value is refused)")
+    p.add_argument("--glibc", help="the image's glibc, 2.N (default: that of the spec's debootstrap suite, e.g. bookworm: 2.36; required for other bases)")
     p.add_argument("--no-deps", action="store_true", help="pin exactly the given requirements, not their dependency closure")
     p.add_argument("--exclude", nargs="*", default=[], metavar="NAME", help="leave these out (e.g. triton on the CPU lane)")
     p.add_argument("--write", action="store_true", help="replace the spec's wheels list in place instead of printing it")
@@ -80,12 +81,18 @@ def pin_parser() -> argparse.ArgumentParser:
 
 def pin_wheels(args: argparse.Namespace) -> int:
     from images.builder.pinning import requirements_from, resolve, rewrite_spec_wheels
-    from images.builder.spec import load
+    from images.builder.spec import SpecError, load
 
     spec = load(args.spec)
+    if args.python_version and args.python_version != spec.python_version:
+        raise SpecError(f"--python-version {args.python_version}: {args.spec} states python_version {spec.python_version}; "
+                        f"fix: pin for the spec's Python (drop --python-version), or change python_version in the spec first")
+    glibc = args.glibc or (spec.release.glibc if spec.release else None)
+    if glibc is None:
+        raise SpecError(f"{args.spec}: the base's glibc is not known without building; fix: pass --glibc 2.N (`ldd --version` in the base)")
     reqs = list(args.requirements) + (requirements_from(args.requirements_file) if args.requirements_file else [])
-    pins = resolve(reqs or [f"{spec.vllm_distribution}=={spec.vllm_version}"], args.python_version, args.glibc,
-                   no_deps=args.no_deps, exclude=tuple(args.exclude))
+    pins = resolve(reqs or [f"{spec.vllm_distribution}=={spec.vllm_version}"], spec.python_version, glibc,
+                   no_deps=args.no_deps, exclude=tuple(args.exclude), pip=spec.pip())
     if args.write:
         rewrite_spec_wheels(args.spec, pins)
         load(args.spec)  # the rewritten spec must still validate

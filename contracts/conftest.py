@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from contracts.device import NEEDS_GPU, model_device
+
 HOME = Path("/opt/sparkcache")
 VERIFY = Path(os.environ.get("SPARKCACHE_VERIFY_DIR", "/verify"))
 
@@ -61,3 +63,28 @@ def lock():
     from transforms import engine
 
     return engine.load_lock()
+
+
+# --- contracts on an image whose vLLM finds no device (the CUDA image on a host without a GPU) ------
+# Contracts that run a model are reported as "needs a GPU" (skipped with that reason, listed at the
+# end of the run), never silently passed; the others run (contracts/device.py).
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "model_run: runs a model through vLLM's engine (needs a device vLLM can run on)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if model_device() is not None:
+        return
+    for item in items:
+        if item.get_closest_marker("model_run"):
+            item.add_marker(pytest.mark.skip(reason=f"{NEEDS_GPU}: this image's vLLM finds no device to run a model on here"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    needing = [r.nodeid for r in terminalreporter.stats.get("skipped", []) if NEEDS_GPU in str(r.longrepr)]
+    if needing:
+        terminalreporter.section(f"contracts that need a GPU, not run here: {len(needing)}")
+        for nodeid in needing:
+            terminalreporter.line(f"{NEEDS_GPU}: {nodeid}")

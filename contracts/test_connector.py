@@ -39,6 +39,7 @@ def tiny_model(tmp_path_factory) -> str:
     return make_tiny_model(TINY, cache_dir=tmp_path_factory.mktemp("models"))
 
 
+@pytest.mark.model_run
 def test_publish_restart_restore_identical_output(tiny_model, tmp_path, lock):
     rng = random.Random(1)
     prompt = [rng.randrange(3, 512) for _ in range(2100)]

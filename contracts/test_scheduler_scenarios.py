@@ -9,12 +9,13 @@ each transform. New scenario modules are picked up by themselves.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from contracts.device import config_env
 
 HOME = Path("/opt/sparkcache")
 EXPECTED = json.loads((HOME / "expected" / "scenarios.json").read_text())
@@ -29,7 +30,7 @@ def test_every_scenario_was_recorded():
 def test_scenario_matches_the_tested_tree(module):
     proc = subprocess.run(
         [sys.executable, str(HOME / "contracts" / "scenario_runner.py"), f"transforms.scenarios.{module}"],
-        capture_output=True, text=True, cwd=HOME, timeout=900, env=dict(os.environ, PYTHONPATH=str(HOME)),
+        capture_output=True, text=True, cwd=HOME, timeout=900, env=config_env(PYTHONPATH=str(HOME)),
     )
     line = next((l for l in proc.stdout.splitlines() if l.startswith("SCENARIO-RESULT ")), None)
     assert line is not None, proc.stderr[-3000:]

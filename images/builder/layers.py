@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from images.builder.dockerenv import CACHE, REPO_ROOT, BuildError, check_stream, progress, push, registry_manifest_digest
+from images.builder.pinning import platform_tags
 from images.builder.spec import Spec
 
 
@@ -146,9 +147,13 @@ def _wheel_index(wheelhouse: Path) -> dict[str, Path]:
     return out
 
 
-def pip_download(pins: list[str], dest: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps", "--only-binary=:all:", "-d", str(dest), *pins]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def pip_download(spec: Spec, pins: list[str], dest: Path) -> None:
+    """The wheels for the image's Python (and, when its suite says, its glibc), not the host's."""
+    platforms = [arg for tag in platform_tags(spec.release.glibc) for arg in ("--platform", tag)] if spec.release else []
+    index, env = spec.pip()
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps", "--only-binary=:all:", *index,
+           "--python-version", spec.python_version, "--implementation", "cp", *platforms, "-d", str(dest), *pins]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if proc.returncode != 0:
         last = [l for l in proc.stdout.splitlines() if l.strip()][-1:] or ["?"]
         raise BuildError(f"pip download {' '.join(pins[:3])}{' ...' if len(pins) > 3 else ''} failed: {last[0]}; fix: check the pins exist as wheels for this Python")
@@ -167,7 +172,7 @@ def resolve_wheels(spec: Spec) -> tuple[Path, list[dict]]:
         progress(f"downloading {len(missing)} wheel(s) into {wheelhouse} (pip download --no-deps, by exact version)")
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(dir=wheelhouse) as tmp:
-            pip_download([w.pin for w in missing], Path(tmp))
+            pip_download(spec, [w.pin for w in missing], Path(tmp))
             got = {}
             for f in Path(tmp).glob("*.whl"):
                 got[norm(f.name.split("-")[0])] = f
@@ -204,7 +209,11 @@ def resolve_wheels(spec: Spec) -> tuple[Path, list[dict]]:
     return stage, resolved
 
 
+# Exit status of the wheels stage when the base's python3 is not the spec's python_version.
+WRONG_PYTHON = 3
 INSTALL_SCRIPT = """set -eu
+got=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$got" != "{python_version}" ]; then echo "python3 in the base is $got"; exit {wrong_python}; fi
 test -x {python} || python3 -m venv {venv}
 {python} -m pip install --disable-pip-version-check --no-cache-dir --no-index --no-deps --require-hashes \\
   --find-links /wheelhouse -r /wheelhouse/requirements.txt
@@ -214,7 +223,7 @@ rm -rf /root/.cache /tmp/*
 
 def wheels_image(client, spec: Spec, base_ref: str, stage: Path) -> tuple[str, dict]:
     """A local image: the base plus the venv with every wheel installed (no network). Cached by its inputs."""
-    script = INSTALL_SCRIPT.format(python=spec.python, venv=spec.venv)
+    script = INSTALL_SCRIPT.format(python=spec.python, venv=spec.venv, python_version=spec.python_version, wrong_python=WRONG_PYTHON)
     requirements = (stage / "requirements.txt").read_text()
     key = short_key({"base": base_ref, "requirements": requirements, "script": script})
     tag = f"sparkcache-build/{spec.name}-wheels:{key}"
@@ -237,6 +246,11 @@ def wheels_image(client, spec: Spec, base_ref: str, stage: Path) -> tuple[str, d
         status = container.wait()["StatusCode"]
         if status != 0:
             tail = container.logs(tail=3).decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+            if status == WRONG_PYTHON:
+                raise BuildError(
+                    f"{spec.path}: python_version is {spec.python_version}, but {tail[0]} (base {base_ref}); "
+                    f"fix: state the base's version in python_version and re-pin the wheels for it "
+                    f"(python build.py pin-wheels --spec {spec.path} --write), or choose a base with Python {spec.python_version}")
             raise BuildError(f"{spec.path}: installing the wheels failed (exit {status}): {tail[0]}; fix: pin every dependency in 'wheels'")
         changes = [f"ENV PATH={spec.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         changes += [f"ENV {k}={v}" for k, v in sorted(spec.env.items())]

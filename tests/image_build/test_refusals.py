@@ -7,6 +7,7 @@ import uuid
 import yaml
 
 from images.builder import dockerenv
+from images.builder.spec import load
 from tests.image_build.conftest import REPO, build_py
 
 
@@ -37,7 +38,7 @@ def test_wheel_hash_mismatch(tmp_path, client):
 def test_base_with_drifted_vllm_file_stops_the_build(tmp_path, client, built):
     """A base whose installed vLLM differs from the lock's preimage: the build names the file and both hashes."""
     host = built.ref.split("/")[0]
-    target = "/opt/venv/lib/python3.11/site-packages/vllm/v1/core/sched/scheduler.py"
+    target = f"{load(REPO / 'images' / 'vllm-cpu.yaml').site_packages}/vllm/v1/core/sched/scheduler.py"
     container = client.containers.create(built.ref, command=["/bin/sh", "-c", f"echo '# drifted' >> {target}"], network_mode="none")
     try:
         container.start()
@@ -68,3 +69,16 @@ def test_push_to_stopped_registry_fails(client, built):
     assert run.rc == 2, run.stderr
     assert "push of 127.0.0.1:5099/" in run.reason and "failed" in run.reason, run.reason
     assert run.stdout == ""
+
+
+def test_base_whose_python_is_not_the_spec_python_stops_the_build(tmp_path, client, built):
+    """A spec saying 3.12 on a base whose python3 is 3.11: the wheels stage refuses, naming both."""
+    raw = yaml.safe_load((REPO / "images" / "vllm-cpu.yaml").read_text())
+    raw["base"] = {"image": built.ref}
+    raw["python_version"] = "3.12"
+    raw["name"] = "test-other-python"
+    spec = tmp_path / "other-python.yaml"
+    spec.write_text(yaml.safe_dump(raw, sort_keys=False))
+    run = build_py("--spec", str(spec))
+    assert run.rc == 2 and run.stdout == "", run.stderr
+    assert all(part in run.reason for part in ("python_version is 3.12", "python3 in the base is 3.11", built.ref)), run.reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -31,15 +32,45 @@ def test_cpu_spec_validates():
 
 
 def test_cuda_spec_validates_and_plans():
+    """The CUDA lane: upstream vllm with CUDA torch from PyPI alone, on the CPU lane's Debian base."""
     spec = load(REPO / "images" / "vllm-cuda.yaml")
-    assert spec.base_image and "@sha256:" in spec.base_image
+    assert spec.debootstrap == load(CPU).debootstrap and spec.python_version == "3.11"
+    assert spec.wheel_index == "https://pypi.org/simple"
+    index, env = spec.pip()
+    assert index == ["--index-url", "https://pypi.org/simple"] and not any(k in env for k in ("PIP_FIND_LINKS", "PIP_CONSTRAINT"))
     versions = {w.name.lower(): w.version for w in spec.wheels}
-    # vllm's whole closure (pin-wheels for CPython 3.12 / glibc 2.39), CUDA torch with its nvidia-* libraries
+    # vllm's whole closure for CPython 3.11 / glibc 2.36, CUDA torch (no +cpu) with its nvidia-* libraries,
+    # and what the contract suite runs with
     assert versions["vllm"] == "0.32.0" and versions["torch"] == "2.13.0"
-    assert any(n.startswith("nvidia-") for n in versions) and len(versions) > 100
+    assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "pytest", "libcst", "tblib"} <= set(versions)
     run = build_py("--spec", "images/vllm-cuda.yaml", "--dry-run")
     assert run.rc == 0, run.stderr
-    assert '"image": "' + spec.base_image in run.stdout
+    plan = json.loads(run.stdout)
+    assert plan["base"] == {"debootstrap": spec.debootstrap.key()} and plan["python"]["version"] == "3.11"
+
+
+def test_dry_run_prints_the_image_python_from_the_spec(tmp_path):
+    run = build_py("--spec", str(CPU), "--dry-run")
+    assert run.rc == 0, run.stderr
+    python = json.loads(run.stdout)["python"]
+    assert python == {"interpreter": "/opt/venv/bin/python", "version": "3.11", "site_packages": "/opt/venv/lib/python3.11/site-packages",
+                      "check": "debootstrap suite bookworm ships Python 3.11; checked again in the base at build"}
+    # a base named by digest: its Python is known only once it is pulled, so the build checks it
+    image_base = write_variant(tmp_path, lambda r: r.__setitem__("base", {"image": "127.0.0.1:5050/b@sha256:" + "a" * 64}))
+    run = build_py("--spec", str(image_base), "--dry-run")
+    assert run.rc == 0 and "checked in the base at build" in json.loads(run.stdout)["python"]["check"], run.stderr
+
+
+def test_python_version_that_the_debootstrap_suite_does_not_ship_is_refused(tmp_path):
+    """bookworm's python3 is 3.11: a spec saying 3.12 would look for vLLM under the wrong site-packages."""
+    path = write_variant(tmp_path, lambda r: r.__setitem__("python_version", "3.12"))
+    run = build_py("--spec", str(path), "--dry-run")
+    assert run.rc == 2 and run.stdout == "", run.stderr
+    assert all(part in run.reason for part in (str(path), "python_version: '3.12'", "'bookworm' ships Python 3.11", "noble")), run.reason
+    # the other spec-reading command refuses it too, and pin-wheels refuses a Python the spec does not state
+    assert build_py("pin-wheels", "--spec", str(path)).rc == 2
+    run = build_py("pin-wheels", "--spec", str(CPU), "--python-version", "3.12")
+    assert run.rc == 2 and "states python_version 3.11" in run.reason, run.stderr
 
 
 @pytest.mark.parametrize(
@@ -50,9 +81,12 @@ def test_cuda_spec_validates_and_plans():
         (lambda r: r["wheels"].__setitem__(0, r["wheels"][0].split()[0]), "wheels[0]", "add its hash"),
         (lambda r: r.__setitem__("transforms", r["transforms"] + ["no_such_transform"]), "transforms", "unknown transform"),
         (lambda r: r.pop("python"), "missing field 'python'", "add it"),
+        (lambda r: r.pop("python_version"), "missing field 'python_version'", "add it"),
+        (lambda r: r.__setitem__("python_version", 3.1), "python_version", 'quoted "3.N"'),
         (lambda r: r.__setitem__("vllm_version", "0.33.0"), "vllm_version", "0.32.0"),
     ],
-    ids=["tag-only-base", "unpinned-wheel", "wheel-without-hash", "unknown-transform", "missing-field", "other-vllm"],
+    ids=["tag-only-base", "unpinned-wheel", "wheel-without-hash", "unknown-transform", "missing-field", "missing-python-version",
+         "unquoted-python-version", "other-vllm"],
 )
 def test_refusals(tmp_path, change, field, fix):
     path = write_variant(tmp_path, change)
