@@ -87,6 +87,9 @@ def pin_wheels(args: argparse.Namespace) -> int:
     if args.python_version and args.python_version != spec.python_version:
         raise SpecError(f"--python-version {args.python_version}: {args.spec} states python_version {spec.python_version}; "
                         f"fix: pin for the spec's Python (drop --python-version), or change python_version in the spec first")
+    if args.glibc and spec.release and args.glibc != spec.release.glibc:
+        raise SpecError(f"--glibc {args.glibc}: {args.spec}'s debootstrap suite {spec.debootstrap.suite} ships glibc {spec.release.glibc}; "
+                        f"fix: drop --glibc (the suite's is used), or change the suite in the spec first")
     glibc = args.glibc or (spec.release.glibc if spec.release else None)
     if glibc is None:
         raise SpecError(f"{args.spec}: the base's glibc is not known without building; fix: pass --glibc 2.N (`ldd --version` in the base)")

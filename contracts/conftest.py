@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from contracts.device import NEEDS_GPU, model_device
+from contracts.device import NEEDS_GPU, gpu_build_without_gpu
 
 HOME = Path("/opt/sparkcache")
 VERIFY = Path(os.environ.get("SPARKCACHE_VERIFY_DIR", "/verify"))
@@ -75,7 +75,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if model_device() is not None:
+    if not gpu_build_without_gpu():
         return
     for item in items:
         if item.get_closest_marker("model_run"):

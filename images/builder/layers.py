@@ -212,6 +212,7 @@ def resolve_wheels(spec: Spec) -> tuple[Path, list[dict]]:
 # Exit status of the wheels stage when the base's python3 is not the spec's python_version.
 WRONG_PYTHON = 3
 INSTALL_SCRIPT = """set -eu
+command -v python3 >/dev/null || {{ echo "python3 in the base is missing"; exit {wrong_python}; }}
 got=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 if [ "$got" != "{python_version}" ]; then echo "python3 in the base is $got"; exit {wrong_python}; fi
 test -x {python} || python3 -m venv {venv}
@@ -249,8 +250,8 @@ def wheels_image(client, spec: Spec, base_ref: str, stage: Path) -> tuple[str, d
             if status == WRONG_PYTHON:
                 raise BuildError(
                     f"{spec.path}: python_version is {spec.python_version}, but {tail[0]} (base {base_ref}); "
-                    f"fix: state the base's version in python_version and re-pin the wheels for it "
-                    f"(python build.py pin-wheels --spec {spec.path} --write), or choose a base with Python {spec.python_version}")
+                    f"fix: choose a base with Python {spec.python_version}, or state the base's version in python_version "
+                    f"and re-pin the wheels for it (the pin-wheels command in the spec's header comment)")
             raise BuildError(f"{spec.path}: installing the wheels failed (exit {status}): {tail[0]}; fix: pin every dependency in 'wheels'")
         changes = [f"ENV PATH={spec.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         changes += [f"ENV {k}={v}" for k, v in sorted(spec.env.items())]

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from images.builder.dockerenv import BuildError, progress
+from images.builder.spec import PYTHON_VERSION
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ def _sha256(item: dict) -> str:
 def resolve(requirements: list[str], python_version: str, glibc: str, no_deps: bool = False, exclude: tuple[str, ...] = (),
             pip: tuple[list[str], dict[str, str]] | None = None) -> list[Pin]:
     """The wheels pip would install for ``requirements`` on the image, sorted by name, minus ``exclude``."""
-    if not re.fullmatch(r"3\.\d+", python_version):
-        raise BuildError(f"--python-version {python_version!r}: expected 3.N, the image's `python3 --version` (3.11 for Debian bookworm)")
+    if not PYTHON_VERSION.fullmatch(python_version):
+        raise BuildError(f"python version {python_version!r}: expected 3.N, the image's `python3 --version` (3.11 for Debian bookworm)")
     with tempfile.TemporaryDirectory(prefix="pin-wheels-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check",

@@ -32,7 +32,7 @@ import yaml
 DIGEST_REF = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._:/-]*)@sha256:(?P<hex>[0-9a-f]{64})$")
 WHEEL_LINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)\s+sha256:(?P<sha>[0-9a-f]{64})$")
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-PYTHON_VERSION = re.compile(r"^3\.[0-9]{1,2}$")
+PYTHON_VERSION = re.compile(r"3\.(0|[1-9][0-9]?)")  # whole-string (fullmatch)
 REQUIRED = ("name", "vllm_version", "base", "python", "python_version", "wheels", "transforms")
 KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note", "wheel_index"}
 
@@ -205,8 +205,9 @@ def load(path: Path | str) -> Spec:
     if not isinstance(python, str) or not re.match(r"^/[^ ]+/bin/python3?$", python):
         raise _fail(path, "python", python, "fix: an absolute path VENV/bin/python (the builder makes the venv)")
     python_version = raw["python_version"]
-    if not isinstance(python_version, str) or not PYTHON_VERSION.match(python_version):
-        raise _fail(path, "python_version", python_version, 'fix: the base\'s python3 as a quoted "3.N" (Debian bookworm: "3.11")')
+    if not isinstance(python_version, str) or not PYTHON_VERSION.fullmatch(python_version):
+        read_as = " (YAML read it as a number: quote it)" if isinstance(python_version, (int, float)) else ""
+        raise _fail(path, "python_version", python_version, f'fix: the base\'s python3 as a quoted "3.N"{read_as} (Debian bookworm: "3.11")')
     release = RELEASES.get(deb.suite) if deb else None
     if release and release.python != python_version:
         raise _fail(

@@ -71,6 +71,8 @@ def test_python_version_that_the_debootstrap_suite_does_not_ship_is_refused(tmp_
     assert build_py("pin-wheels", "--spec", str(path)).rc == 2
     run = build_py("pin-wheels", "--spec", str(CPU), "--python-version", "3.12")
     assert run.rc == 2 and "states python_version 3.11" in run.reason, run.stderr
+    run = build_py("pin-wheels", "--spec", str(CPU), "--glibc", "2.39")
+    assert run.rc == 2 and "bookworm ships glibc 2.36" in run.reason, run.stderr
 
 
 @pytest.mark.parametrize(
@@ -82,11 +84,12 @@ def test_python_version_that_the_debootstrap_suite_does_not_ship_is_refused(tmp_
         (lambda r: r.__setitem__("transforms", r["transforms"] + ["no_such_transform"]), "transforms", "unknown transform"),
         (lambda r: r.pop("python"), "missing field 'python'", "add it"),
         (lambda r: r.pop("python_version"), "missing field 'python_version'", "add it"),
-        (lambda r: r.__setitem__("python_version", 3.1), "python_version", 'quoted "3.N"'),
+        (lambda r: r.__setitem__("python_version", 3.1), "python_version", "YAML read it as a number"),
+        (lambda r: r.__setitem__("python_version", "3.01"), "python_version", 'quoted "3.N"'),
         (lambda r: r.__setitem__("vllm_version", "0.33.0"), "vllm_version", "0.32.0"),
     ],
     ids=["tag-only-base", "unpinned-wheel", "wheel-without-hash", "unknown-transform", "missing-field", "missing-python-version",
-         "unquoted-python-version", "other-vllm"],
+         "unquoted-python-version", "malformed-python-version", "other-vllm"],
 )
 def test_refusals(tmp_path, change, field, fix):
     path = write_variant(tmp_path, change)
