@@ -61,3 +61,11 @@ def test_installed_distributions_are_the_pinned_wheels(build_inputs, site_packag
     pinned = {norm(w["name"]): w["version"] for w in build_inputs["wheels"]}
     assert {name: installed.get(name) for name in pinned} == pinned
     assert set(installed) - set(pinned) - {"sparkcache"} <= {"pip", "setuptools"}, sorted(set(installed) - set(pinned))
+
+
+def test_trimmed_paths_are_gone(build_inputs, site_packages):
+    """Every path the spec trims is absent from site-packages (the CPU spec trims nothing; the CUDA spec's
+    entries each say why vLLM never loads them). What a contract needs must survive: the rest of the suite
+    running on the trimmed image is that check."""
+    left = {pattern: sorted(str(p.relative_to(site_packages)) for p in site_packages.glob(pattern)) for pattern in build_inputs["trim"]}
+    assert {pattern: paths for pattern, paths in left.items() if paths} == {}

@@ -211,6 +211,7 @@ def resolve_wheels(spec: Spec) -> tuple[Path, list[dict]]:
 
 # Exit status of the wheels stage when the base's python3 is not the spec's python_version.
 WRONG_PYTHON = 3
+TRIM_UNMATCHED = 4  # the wheels stage's exit status when a trim entry matches nothing
 INSTALL_SCRIPT = """set -eu
 command -v python3 >/dev/null || {{ echo "python3 in the base is missing"; exit {wrong_python}; }}
 got=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -218,13 +219,28 @@ if [ "$got" != "{python_version}" ]; then echo "python3 in the base is $got"; ex
 test -x {python} || python3 -m venv {venv}
 {python} -m pip install --disable-pip-version-check --no-cache-dir --no-index --no-deps --require-hashes \\
   --find-links /wheelhouse -r /wheelhouse/requirements.txt
-rm -rf /root/.cache /tmp/*
+{trim}rm -rf /root/.cache /tmp/*
+"""
+# The spec's trim, in the install's own layer: every entry must match (the wheels changed otherwise), then go.
+TRIM_SCRIPT = """cd {site_packages}
+for pattern in {patterns}; do
+  set -- $pattern
+  [ -e "$1" ] || {{ echo "trim: $pattern matches nothing under {site_packages}"; exit {trim_unmatched}; }}
+done
+for pattern in {patterns}; do
+  set -- $pattern
+  echo "trim: $pattern: $(du -scb "$@" | tail -1 | cut -f1) bytes"
+  rm -rf -- "$@"
+done
+cd /
 """
 
 
 def wheels_image(client, spec: Spec, base_ref: str, stage: Path) -> tuple[str, dict]:
     """A local image: the base plus the venv with every wheel installed (no network). Cached by its inputs."""
-    script = INSTALL_SCRIPT.format(python=spec.python, venv=spec.venv, python_version=spec.python_version, wrong_python=WRONG_PYTHON)
+    trim = TRIM_SCRIPT.format(site_packages=spec.site_packages, patterns=" ".join(f"'{t.path}'" for t in spec.trim),
+                              trim_unmatched=TRIM_UNMATCHED) if spec.trim else ""
+    script = INSTALL_SCRIPT.format(python=spec.python, venv=spec.venv, python_version=spec.python_version, wrong_python=WRONG_PYTHON, trim=trim)
     requirements = (stage / "requirements.txt").read_text()
     key = short_key({"base": base_ref, "requirements": requirements, "script": script})
     tag = f"sparkcache-build/{spec.name}-wheels:{key}"
@@ -252,6 +268,10 @@ def wheels_image(client, spec: Spec, base_ref: str, stage: Path) -> tuple[str, d
                     f"{spec.path}: python_version is {spec.python_version}, but {tail[0]} (base {base_ref}); "
                     f"fix: choose a base with Python {spec.python_version}, or state the base's version in python_version "
                     f"and re-pin the wheels for it (the pin-wheels command in the spec's header comment)")
+            if status == TRIM_UNMATCHED:
+                raise BuildError(
+                    f"{spec.path}: {tail[0]} (base {base_ref}); fix: the wheels no longer ship that path: find where it went "
+                    f"(`unzip -l` the wheel) and correct or drop the trim entry")
             raise BuildError(f"{spec.path}: installing the wheels failed (exit {status}): {tail[0]}; fix: pin every dependency in 'wheels'")
         changes = [f"ENV PATH={spec.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         changes += [f"ENV {k}={v}" for k, v in sorted(spec.env.items())]

