@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import io
 import json
 import os
@@ -41,6 +42,33 @@ def git(*args: str) -> str | None:
     except OSError:
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+# What the overlay reads from this checkout besides the lock: the sparkcache wheel's sources and the
+# contract suite with the transforms it runs.
+OVERLAY_SOURCES = ("pyproject.toml", "sparkcache", "transforms", "contracts")
+
+
+def worktree_state(root: Path = REPO_ROOT) -> str | None:
+    """One hash of what the overlay would read from the checkout at root: HEAD, the changes to tracked
+    files and every untracked file (name and bytes) under OVERLAY_SOURCES. None outside a git checkout."""
+    def run(*args: str) -> bytes | None:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=60)
+        return out.stdout if out.returncode == 0 else None
+
+    head = run("rev-parse", "HEAD")
+    if head is None:
+        return None
+    h = hashlib.sha256(head)
+    h.update(run("diff", "HEAD", "--binary", "--", *OVERLAY_SOURCES) or b"")
+    for name in sorted((run("ls-files", "-z", "--others", "--exclude-standard", "--", *OVERLAY_SOURCES) or b"").split(b"\0")):
+        if name:
+            h.update(name + b"\0")
+            try:
+                h.update(hashlib.sha256((root / name.decode()).read_bytes()).digest())
+            except OSError:
+                h.update(b"<unreadable>")
+    return h.hexdigest()
 
 
 def source_date_epoch() -> int:
@@ -229,6 +257,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     registry = parse_registry(registry_arg, spec)
     lock, lock_path = lock_info()
     sde = source_date_epoch()
+    tree_at_start = worktree_state()
     revision = git("rev-parse", "HEAD") or "uncommitted"
     if revision != "uncommitted" and git("status", "--porcelain", "--untracked-files=no"):
         revision += "-dirty"
@@ -279,6 +308,11 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     work.mkdir(parents=True, exist_ok=True)
     overlay_tar = work / "overlay.tar"
     overlay_sha = tar.write(overlay_tar)
+    if worktree_state() != tree_at_start:
+        raise BuildError(
+            f"the checkout changed while the build read it ({', '.join(OVERLAY_SOURCES)} or HEAD): the image would carry "
+            f"files that its revision label ({revision}) and receipt do not name; fix: build again once the edits are done "
+            f"(or from a clean clone)")
     progress(f"overlay tar {overlay_sha[:16]} ({overlay_tar.stat().st_size // 1024} KiB, {len(tar.files)} files)")
 
     labels = labels_for(spec, base, lock, sc_version, sde, revision)

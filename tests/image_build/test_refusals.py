@@ -96,3 +96,27 @@ def test_trim_entry_that_matches_nothing_stops_the_build(tmp_path, client, built
     assert run.rc == 2 and run.stdout == "", run.stderr
     assert all(part in run.reason for part in ("trim: no_such_package/lib* matches nothing under /opt/venv/lib/python3.11/site-packages",
                                                built.ref, "correct or drop the trim entry")), run.reason
+
+
+def test_a_checkout_edited_during_the_build_stops_it(client, built):
+    """A file appearing under contracts/ while the build reads the checkout: the image would carry it under
+    a revision label that does not name it, so the build refuses before anything is pushed."""
+    import subprocess
+    import sys
+
+    stray = REPO / "contracts" / f"_mid_build_{uuid.uuid4().hex[:8]}.txt"
+    proc = subprocess.Popen([sys.executable, str(REPO / "build.py")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stderr = []
+        for line in proc.stderr:
+            stderr.append(line)
+            if "(the sparkcache wheel)" in line:  # the checkout is being read: the wheel, then transforms/ and contracts/
+                stray.write_text("written while the build ran\n")
+        stdout = proc.stdout.read()
+        assert proc.wait(timeout=1200) == 2 and stdout == "", "".join(stderr)[-3000:]
+    finally:
+        stray.unlink(missing_ok=True)
+        if proc.poll() is None:
+            proc.kill()
+    reason = [l for l in stderr if l.startswith("build.py: error:")]
+    assert len(reason) == 1 and "the checkout changed while the build read it" in reason[0] and "build again" in reason[0], reason
