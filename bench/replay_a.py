@@ -163,7 +163,7 @@ def transformed_tree() -> Path:
                            cwd=REPO, capture_output=True, text=True)
     if check.returncode != 0:
         sys.path.insert(0, str(REPO))
-        from tests.trees import build_transformed_tree
+        from transforms.trees import build_transformed_tree
 
         build_transformed_tree(TREE)
     return TREE
@@ -171,7 +171,7 @@ def transformed_tree() -> Path:
 
 def run_arm(arm: str, cfg: dict, workdir: Path) -> dict:
     from bench.replay_a_sim import arm_spec
-    from tests.trees import installed_site_packages, tree_env
+    from transforms.trees import installed_site_packages, tree_env
 
     _, _, transformed = arm_spec(arm, cfg["lease_seconds"])
     tree = TREE if transformed else None

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trees import build_transformed_tree  # noqa: E402
+from transforms.trees import build_transformed_tree  # noqa: E402
 
 
 @pytest.fixture(scope="session")

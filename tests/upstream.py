@@ -16,10 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trees import REPO, build_transformed_tree, tree_env  # noqa: E402
-
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from transforms.trees import REPO, build_transformed_tree, tree_env  # noqa: E402
 from contracts.upstream import CI_SUBSET, EXPECTED, FULL, UpstreamRun, compare, run_pytest, scratch_copy  # noqa: E402,F401
 
 SDIST_ROOT = REPO / ".cache" / "sdist" / "vllm-0.32.0"

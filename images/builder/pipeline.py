@@ -110,8 +110,7 @@ def record_scenarios(lock) -> dict:
     out = CACHE / "scenarios" / f"{key}.json"
     if out.exists():
         return json.loads(out.read_text())
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from trees import build_transformed_tree, tree_env  # noqa: E402 - the test suite's own transformed tree
+    from transforms.trees import build_transformed_tree, tree_env
 
     progress(f"recording scenarios {', '.join(modules)} on the host's transformed tree (once per lock)")
     t0 = time.monotonic()

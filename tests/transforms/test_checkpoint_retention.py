@@ -26,7 +26,7 @@ import pytest
 
 from transforms.checkpoint_retention import DROP_KEY, RETAIN_KEY, SCHEDULER, SINGLE_TYPE, TRANSFORM
 from transforms.engine import transform_source
-from trees import run_scenario
+from transforms.trees import run_scenario
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_retention"
 SCENARIO = "transforms.scenarios.checkpoint_retention"

@@ -12,7 +12,7 @@ import pytest
 
 from transforms import Edit, EditError, engine
 from transforms.edits import apply_edits
-from trees import REPO, installed_site_packages
+from transforms.trees import REPO, installed_site_packages
 
 SDIST_ROOT = REPO / ".cache" / "sdist" / "vllm-0.32.0"
 LOCK = engine.load_lock()

@@ -7,7 +7,7 @@ and once on the transformed tree with every option on, each in its own process.
 
 import pytest
 
-from trees import run_scenario
+from transforms.trees import run_scenario
 
 SCENARIO = "transforms.scenarios.growing_conversation"
 

@@ -32,7 +32,7 @@ import pytest
 
 from transforms.engine import transform_source
 from transforms.lease_accounting import LEASE_KEY, SCHEDULER, SINGLE_TYPE, STATS, TRANSFORM
-from trees import run_scenario
+from transforms.trees import run_scenario
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lease_accounting"
 SCENARIO = "transforms.scenarios.lease_accounting"

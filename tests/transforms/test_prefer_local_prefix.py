@@ -31,7 +31,7 @@ import pytest
 
 from transforms.engine import transform_source
 from transforms.prefer_local_prefix import KEY, TRANSFORM
-from trees import run_scenario
+from transforms.trees import run_scenario
 
 FIXTURES = Path(__file__).parent / "fixtures" / "prefer_local_prefix"
 RELPATH = "vllm/v1/core/sched/scheduler.py"

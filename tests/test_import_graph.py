@@ -1,0 +1,65 @@
+"""One direction: the product (sparkcache/, transforms/, images/builder/, build.py) and the contract suite
+baked into images (contracts/) never import the test suite or the benchmarks; tests and benchmarks may
+import the product."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRODUCT = [REPO / "sparkcache", REPO / "transforms", REPO / "images" / "builder", REPO / "contracts", REPO / "build.py"]
+
+
+def python_files(where: Path) -> list[Path]:
+    return [where] if where.is_file() else sorted(p for p in where.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def suite_module_names() -> set[str]:
+    """Top-level names an import could reach the suite or the benchmarks by: the packages themselves and
+    every module under them (importable bare once their folder is on sys.path)."""
+    names = {"tests", "bench"}
+    for folder in ("tests", "bench"):
+        names |= {p.stem for p in (REPO / folder).rglob("*.py") if p.stem != "__init__"}
+    return names
+
+
+def offending_imports(path: Path, forbidden: set[str], root: Path = REPO) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [f"{path.relative_to(root)}:{node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] in forbidden]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] in forbidden:
+            out.append(f"{path.relative_to(root)}:{node.lineno}: from {node.module} import ...")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("insert", "append")
+              and ast.unparse(node.func.value) == "sys.path" and any(w in ast.unparse(node) for w in ('"tests"', '"bench"', "'tests'", "'bench'"))):
+            out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_the_product_never_imports_tests_or_bench():
+    forbidden = suite_module_names()
+    found = [line for where in PRODUCT for p in python_files(where) for line in offending_imports(p, forbidden)]
+    assert found == []
+
+
+def test_the_check_sees_each_way_in(tmp_path):
+    """The scan itself: each way a module could reach the suite is reported (so the test above can fail)."""
+    forbidden = suite_module_names()
+    assert {"tests", "bench", "store_helpers", "mounts", "replay_a"} <= forbidden
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import sys\n"
+        "from tests.connector.conftest import run_engine\n"
+        "import bench.replay_a\n"
+        "def f():\n"
+        "    from store_helpers import make_store\n"
+        "    sys.path.insert(0, str(REPO / 'tests'))\n"
+        "from sparkcache.store import PageStore\n"
+        "from . import sibling\n"
+    )
+    lines = [line.split(": ", 1)[1] for line in sorted(offending_imports(bad, forbidden, root=tmp_path), key=lambda l: int(l.split(":")[1]))]
+    assert lines == ["from tests.connector.conftest import ...", "import bench.replay_a", "from store_helpers import ...",
+                     "sys.path.insert(0, str(REPO / 'tests'))"], lines
+
