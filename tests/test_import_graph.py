@@ -32,9 +32,14 @@ def offending_imports(path: Path, forbidden: set[str], root: Path = REPO) -> lis
             out += [f"{path.relative_to(root)}:{node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] in forbidden]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] in forbidden:
             out.append(f"{path.relative_to(root)}:{node.lineno}: from {node.module} import ...")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("insert", "append")
-              and ast.unparse(node.func.value) == "sys.path" and any(w in ast.unparse(node) for w in ('"tests"', '"bench"', "'tests'", "'bench'"))):
-            out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call):
+            func, args = ast.unparse(node.func), node.args
+            if (func in ("importlib.import_module", "import_module", "__import__") and args and isinstance(args[0], ast.Constant)
+                    and isinstance(args[0].value, str) and args[0].value.split(".")[0] in forbidden):
+                out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+            elif ((func.startswith("sys.path.") or func == "site.addsitedir")
+                  and any(w in ast.unparse(node) for w in ('"tests"', '"bench"', "'tests'", "'bench'"))):
+                out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     return out
 
 
@@ -56,10 +61,14 @@ def test_the_check_sees_each_way_in(tmp_path):
         "def f():\n"
         "    from store_helpers import make_store\n"
         "    sys.path.insert(0, str(REPO / 'tests'))\n"
+        "    importlib.import_module('tests.store.store_helpers')\n"
+        "    sys.path.extend([str(REPO / 'bench')])\n"
+        "    importlib.import_module('sparkcache.store')\n"
         "from sparkcache.store import PageStore\n"
         "from . import sibling\n"
     )
     lines = [line.split(": ", 1)[1] for line in sorted(offending_imports(bad, forbidden, root=tmp_path), key=lambda l: int(l.split(":")[1]))]
     assert lines == ["from tests.connector.conftest import ...", "import bench.replay_a", "from store_helpers import ...",
-                     "sys.path.insert(0, str(REPO / 'tests'))"], lines
+                     "sys.path.insert(0, str(REPO / 'tests'))",
+                     "importlib.import_module('tests.store.store_helpers')", "sys.path.extend([str(REPO / 'bench')])"], lines
 

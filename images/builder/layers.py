@@ -209,9 +209,9 @@ def resolve_wheels(spec: Spec) -> tuple[Path, list[dict]]:
     return stage, resolved
 
 
-# Exit status of the wheels stage when the base's python3 is not the spec's python_version.
-WRONG_PYTHON = 3
-TRIM_UNMATCHED = 4  # the wheels stage's exit status when a trim entry matches nothing
+# Exit statuses of the wheels stage's own refusals (pip's own are below 64).
+WRONG_PYTHON = 65    # the base's python3 is not the spec's python_version
+TRIM_REFUSED = 66    # a trim entry matches nothing, or a match resolves outside site-packages
 INSTALL_SCRIPT = """set -eu
 command -v python3 >/dev/null || {{ echo "python3 in the base is missing"; exit {wrong_python}; }}
 got=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -221,11 +221,19 @@ test -x {python} || python3 -m venv {venv}
   --find-links /wheelhouse -r /wheelhouse/requirements.txt
 {trim}rm -rf /root/.cache /tmp/*
 """
-# The spec's trim, in the install's own layer: every entry must match (the wheels changed otherwise), then go.
-TRIM_SCRIPT = """cd {site_packages}
+# The spec's trim, in the install's own layer: every entry must match, inside site-packages (a link
+# out of it is refused), before anything is removed.
+TRIM_SCRIPT = """site=$(readlink -f {site_packages})
+cd "$site"
 for pattern in {patterns}; do
   set -- $pattern
-  [ -e "$1" ] || {{ echo "trim: $pattern matches nothing under {site_packages}"; exit {trim_unmatched}; }}
+  [ -e "$1" ] || {{ echo "trim: $pattern matches nothing under {site_packages}"; exit {refused}; }}
+  for match in "$@"; do
+    case "$(readlink -f "$match")" in
+      "$site"/*) ;;
+      *) echo "trim: $pattern: $match resolves outside {site_packages}"; exit {refused} ;;
+    esac
+  done
 done
 for pattern in {patterns}; do
   set -- $pattern
@@ -236,11 +244,18 @@ cd /
 """
 
 
+def trim_script(site_packages: str, trims) -> str:
+    """The shell that removes a spec's trim entries (paths the spec validated: no quotes, spaces or '..')."""
+    if not trims:
+        return ""
+    return TRIM_SCRIPT.format(site_packages=site_packages, patterns=" ".join(f"'{t.path}'" for t in trims),
+                              refused=TRIM_REFUSED)
+
+
 def wheels_image(client, spec: Spec, base_ref: str, stage: Path) -> tuple[str, dict]:
     """A local image: the base plus the venv with every wheel installed (no network). Cached by its inputs."""
-    trim = TRIM_SCRIPT.format(site_packages=spec.site_packages, patterns=" ".join(f"'{t.path}'" for t in spec.trim),
-                              trim_unmatched=TRIM_UNMATCHED) if spec.trim else ""
-    script = INSTALL_SCRIPT.format(python=spec.python, venv=spec.venv, python_version=spec.python_version, wrong_python=WRONG_PYTHON, trim=trim)
+    script = INSTALL_SCRIPT.format(python=spec.python, venv=spec.venv, python_version=spec.python_version,
+                                   wrong_python=WRONG_PYTHON, trim=trim_script(spec.site_packages, spec.trim))
     requirements = (stage / "requirements.txt").read_text()
     key = short_key({"base": base_ref, "requirements": requirements, "script": script})
     tag = f"sparkcache-build/{spec.name}-wheels:{key}"
@@ -263,15 +278,15 @@ def wheels_image(client, spec: Spec, base_ref: str, stage: Path) -> tuple[str, d
         status = container.wait()["StatusCode"]
         if status != 0:
             tail = container.logs(tail=3).decode(errors="replace").strip().splitlines()[-1:] or ["?"]
-            if status == WRONG_PYTHON:
+            if status == WRONG_PYTHON and tail[0].startswith("python3 in the base"):
                 raise BuildError(
                     f"{spec.path}: python_version is {spec.python_version}, but {tail[0]} (base {base_ref}); "
                     f"fix: choose a base with Python {spec.python_version}, or state the base's version in python_version "
                     f"and re-pin the wheels for it (the pin-wheels command in the spec's header comment)")
-            if status == TRIM_UNMATCHED:
+            if status == TRIM_REFUSED and tail[0].startswith("trim: "):
                 raise BuildError(
-                    f"{spec.path}: {tail[0]} (base {base_ref}); fix: the wheels no longer ship that path: find where it went "
-                    f"(`unzip -l` the wheel) and correct or drop the trim entry")
+                    f"{spec.path}: {tail[0]} (base {base_ref}); fix: `unzip -l` the wheel that shipped it to see where "
+                    f"its files are now, then correct or drop the trim entry")
             raise BuildError(f"{spec.path}: installing the wheels failed (exit {status}): {tail[0]}; fix: pin every dependency in 'wheels'")
         changes = [f"ENV PATH={spec.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         changes += [f"ENV {k}={v}" for k, v in sorted(spec.env.items())]
@@ -340,10 +355,18 @@ class DeterministicTar:
         return sha256_file(out)
 
 
+def baked(path: Path, root: Path) -> bool:
+    """Whether the overlay takes this file of a tree under root: a regular file, not a cache, not
+    hidden (nor under a hidden folder such as .pytest_cache), not a temporary."""
+    parts = path.relative_to(root).parts
+    return (path.is_file() and not any(part == "__pycache__" or part.startswith(".") for part in parts)
+            and path.suffix not in (".pyc", ".pyo") and not path.name.endswith(".tmp"))
+
+
 def tree_files(root: Path, prefix: str):
-    """(image path, bytes, mode) for every file under root, no caches."""
+    """(image path, bytes, mode) for every file under root that ``baked`` takes."""
     for p in sorted(root.rglob("*")):
-        if p.is_dir() or "__pycache__" in p.parts or p.suffix in (".pyc", ".pyo") or p.name.startswith(".") or p.name.endswith(".tmp"):
+        if not baked(p, root):
             continue
         rel = p.relative_to(root).as_posix()
         yield f"{prefix}/{rel}", p.read_bytes(), 0o755 if os.access(p, os.X_OK) and p.suffix != ".py" else 0o644

@@ -36,39 +36,52 @@ RECEIPTS = CACHE / "receipts"
 CONTRACTS_DIR = "/opt/sparkcache"
 
 
-def git(*args: str) -> str | None:
+def git(*args: str, cwd: Path = REPO_ROOT) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
-    except OSError:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
-# What the overlay reads from this checkout besides the lock: the sparkcache wheel's sources and the
-# contract suite with the transforms it runs.
-OVERLAY_SOURCES = ("pyproject.toml", "sparkcache", "transforms", "contracts")
+# What the image is made from in this checkout: the sparkcache wheel's sources, and the trees the
+# overlay bakes in (the contract suite, the transforms with their lock); the spec and the
+# Dockerfile template are added by build().
+OVERLAY_SOURCES = ("sparkcache", "transforms", "contracts")
+DOCKERFILE_TEMPLATE = REPO_ROOT / "images" / "Dockerfile.in"
 
 
-def worktree_state(root: Path = REPO_ROOT) -> str | None:
-    """One hash of what the overlay would read from the checkout at root: HEAD, the changes to tracked
-    files and every untracked file (name and bytes) under OVERLAY_SOURCES. None outside a git checkout."""
-    def run(*args: str) -> bytes | None:
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=60)
-        return out.stdout if out.returncode == 0 else None
+def source_files(root: Path = REPO_ROOT) -> list[Path]:
+    """Every file of the checkout at root that goes into an image: pyproject.toml and what
+    ``layers.baked`` takes under OVERLAY_SOURCES (caches and dotfiles left out, as the overlay does)."""
+    files = [root / "pyproject.toml"]
+    for d in OVERLAY_SOURCES:
+        files += [p for p in sorted((root / d).rglob("*")) if layers.baked(p, root / d)]
+    return files
 
-    head = run("rev-parse", "HEAD")
-    if head is None:
-        return None
-    h = hashlib.sha256(head)
-    h.update(run("diff", "HEAD", "--binary", "--", *OVERLAY_SOURCES) or b"")
-    for name in sorted((run("ls-files", "-z", "--others", "--exclude-standard", "--", *OVERLAY_SOURCES) or b"").split(b"\0")):
-        if name:
-            h.update(name + b"\0")
-            try:
-                h.update(hashlib.sha256((root / name.decode()).read_bytes()).digest())
-            except OSError:
-                h.update(b"<unreadable>")
+
+def worktree_state(root: Path = REPO_ROOT, extra: tuple[Path, ...] = ()) -> str:
+    """One hash of HEAD and the bytes of every file an image is made from (``source_files`` plus
+    ``extra``): a build compares it at its start and once the overlay is written."""
+    h = hashlib.sha256((git("rev-parse", "HEAD", cwd=root) or "no git").encode())
+    for p in [*source_files(root), *extra]:
+        try:
+            data = hashlib.sha256(p.read_bytes()).hexdigest()
+        except OSError:
+            data = "<unreadable>"
+        h.update(f"{p}\0{data}\0".encode())
     return h.hexdigest()
+
+
+def revision_of(root: Path = REPO_ROOT) -> str:
+    """HEAD, with ``-dirty`` when a tracked file differs from it or an image source is untracked;
+    ``uncommitted`` outside git."""
+    head = git("rev-parse", "HEAD", cwd=root)
+    if head is None:
+        return "uncommitted"
+    tracked = set((git("ls-files", "-z", "--", "pyproject.toml", *OVERLAY_SOURCES, cwd=root) or "").split("\0"))
+    untracked = [p for p in source_files(root) if p.relative_to(root).as_posix() not in tracked]
+    return head + "-dirty" if untracked or git("status", "--porcelain", "--untracked-files=no", cwd=root) else head
 
 
 def source_date_epoch() -> int:
@@ -206,7 +219,7 @@ def labels_for(spec: Spec, base: dict, lock, sc_version: str, sde: int, revision
 
 
 def render_dockerfile(wheels_tag: str, spec: Spec, labels: dict) -> str:
-    template = (REPO_ROOT / "images" / "Dockerfile.in").read_text()
+    template = DOCKERFILE_TEMPLATE.read_text()
     env = {"PATH": f"{spec.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", **spec.env}
     env_lines = "\n".join(f"ENV {k}={json.dumps(v)}" for k, v in env.items())
     label_lines = "LABEL " + " \\\n      ".join(f"{json.dumps(k)}={json.dumps(v)}" for k, v in sorted(labels.items()))
@@ -248,7 +261,9 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     t_start = time.monotonic()
     started = dt.datetime.now(dt.timezone.utc)
     timings = {}
+    inputs_at_start = worktree_state(extra=(Path(spec_path), DOCKERFILE_TEMPLATE))
     spec = load(spec_path)
+    spec_sha256 = layers.sha256_file(spec.path)  # the bytes this build read (the receipt names them)
     if dry_run:
         print(json.dumps(plan(spec, registry_arg), indent=2))
         return ""
@@ -256,10 +271,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     registry = parse_registry(registry_arg, spec)
     lock, lock_path = lock_info()
     sde = source_date_epoch()
-    tree_at_start = worktree_state()
-    revision = git("rev-parse", "HEAD") or "uncommitted"
-    if revision != "uncommitted" and git("status", "--porcelain", "--untracked-files=no"):
-        revision += "-dirty"
+    revision = revision_of()
 
     t = time.monotonic()
     base_ref, base = layers.resolve_base(client, spec, registry)
@@ -281,10 +293,9 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     for relpath, data in sorted(files.items()):
         tar.add(f"{site}/{relpath}", data)
     layers.add_wheel(tar, sc_wheel, site, spec.venv)
-    for path, data, mode in layers.tree_files(REPO_ROOT / "transforms", f"{CONTRACTS_DIR}/transforms"):
-        tar.add(path, data, mode)
-    for path, data, mode in layers.tree_files(REPO_ROOT / "contracts", f"{CONTRACTS_DIR}/contracts"):
-        tar.add(path, data, mode)
+    for tree in ("transforms", "contracts"):
+        for path, data, mode in layers.tree_files(REPO_ROOT / tree, f"{CONTRACTS_DIR}/{tree}"):
+            tar.add(path, data, mode)
     for path, data, mode in upstream_tests(lock):
         tar.add(path, data, mode)
     build_inputs = {
@@ -307,15 +318,16 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     work.mkdir(parents=True, exist_ok=True)
     overlay_tar = work / "overlay.tar"
     overlay_sha = tar.write(overlay_tar)
-    if worktree_state() != tree_at_start:
-        raise BuildError(
-            f"the checkout changed while the build read it ({', '.join(OVERLAY_SOURCES)} or HEAD): the image would carry "
-            f"files that its revision label ({revision}) and receipt do not name; fix: build again once the edits are done "
-            f"(or from a clean clone)")
     progress(f"overlay tar {overlay_sha[:16]} ({overlay_tar.stat().st_size // 1024} KiB, {len(tar.files)} files)")
 
     labels = labels_for(spec, base, lock, sc_version, sde, revision)
     dockerfile = render_dockerfile(wheels_tag, spec, labels)
+    if worktree_state(extra=(Path(spec_path), DOCKERFILE_TEMPLATE)) != inputs_at_start:
+        raise BuildError(
+            f"the checkout changed while the build read it (pyproject.toml, {', '.join(d + '/' for d in OVERLAY_SOURCES)}, "
+            f"the spec, the Dockerfile template or HEAD): the image would carry "
+            f"files that its revision label ({revision}) and receipt do not name; fix: build again once the edits are done "
+            f"(or from a clean clone)")
     progress(f"docker build (network none{', no cache' if no_cache else ''})")
     result = {}
 
@@ -362,7 +374,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
             "buildDefinition": {
                 "buildType": "https://github.com/sparkcache/sparkcache/build.py@v1",
                 "externalParameters": {"spec": str(spec.path.relative_to(REPO_ROOT)) if spec.path.is_absolute() and REPO_ROOT in spec.path.parents else str(spec.path),
-                                       "spec_sha256": layers.sha256_file(spec.path), "registry": registry, "source_date_epoch": sde},
+                                       "spec_sha256": spec_sha256, "registry": registry, "source_date_epoch": sde},
                 "resolvedDependencies": [
                     {"name": "base", "uri": f"{base['name']}@{base['digest']}", "digest": {"sha256": base["digest"].split(":")[1]},
                      **({"rootfs": {"file": base["rootfs_tar"], "sha256": base["rootfs_sha256"], "debootstrap": base["debootstrap"]}} if "rootfs_sha256" in base else {})},

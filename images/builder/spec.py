@@ -38,7 +38,8 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 PYTHON_VERSION = re.compile(r"3\.(0|[1-9][0-9]?)")  # whole-string (fullmatch)
 REQUIRED = ("name", "vllm_version", "base", "python", "python_version", "wheels", "transforms")
 KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note", "wheel_index", "trim"}
-TRIM_PATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.*+-]*(/[A-Za-z0-9_*+-][A-Za-z0-9_.*+-]*)*")  # relative, no '..', no spaces
+# relative to site-packages; the first part names a package (no wildcard); no '..', spaces or quotes
+TRIM_PATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_*+-][A-Za-z0-9_.*+-]*)*")
 
 
 # What a spec's wheel_index keeps of this machine's pip environment: how to reach an index, not which.
@@ -270,7 +271,7 @@ def load(path: Path | str) -> Spec:
     wheel_index = raw.get("wheel_index")
     if wheel_index is not None and not (isinstance(wheel_index, str) and re.match(r"^https?://[^ ]+$", wheel_index)):
         raise _fail(path, "wheel_index", wheel_index, "fix: the URL of a simple index, e.g. https://pypi.org/simple (or leave it out: this machine's pip configuration)")
-    trim = _trim(path, raw.get("trim") or [])
+    trim = _trim(path, raw.get("trim", []))
     env = raw.get("env") or {}
     labels = raw.get("labels") or {}
     for fname, m in (("env", env), ("labels", labels)):
@@ -285,7 +286,8 @@ def load(path: Path | str) -> Spec:
 
 
 def _trim(path: Path, entries) -> tuple[Trim, ...]:
-    fix = "fix: a list of {path: GLOB relative to site-packages (letters, digits, _ . * + -, no '..'), why: what makes it unused}"
+    fix = ("fix: a list of {path: GLOB relative to site-packages, its first part a package name (letters, digits, "
+           "_ . * + -, no '..'), why: what makes it unused}, or no 'trim' field")
     if not isinstance(entries, list):
         raise _fail(path, "trim", entries, fix)
     out = []
@@ -297,5 +299,7 @@ def _trim(path: Path, entries) -> tuple[Trim, ...]:
             raise _fail(path, f"trim[{i}].path", p, fix)
         if not isinstance(why, str) or not why.strip():
             raise _fail(path, f"trim[{i}].why", why, "fix: say why vLLM never loads it (a reviewer reads this before a path leaves the image)")
+        if any(t.path == p for t in out):
+            raise _fail(path, f"trim[{i}].path", p, "fix: listed twice; keep one entry")
         out.append(Trim(p, why.strip()))
     return tuple(out)

@@ -97,10 +97,16 @@ def test_python_version_that_the_debootstrap_suite_does_not_ship_is_refused(tmp_
         (lambda r: r.__setitem__("trim", [{"path": "torch/include", "why": " "}]), "trim[0].why", "why vLLM never loads it"),
         (lambda r: r.__setitem__("trim", [{"path": "torch/include"}]), "trim[0]", "why: what makes it unused"),
         (lambda r: r.__setitem__("trim", "torch/include"), "trim", "a list of"),
+        (lambda r: r.__setitem__("trim", {}), "trim", "a list of"),
+        (lambda r: r.__setitem__("trim", None), "trim", "a list of"),
+        (lambda r: r.__setitem__("trim", [{"path": "t*/lib", "why": "x"}]), "trim[0].path", "its first part a package name"),
+        (lambda r: r.__setitem__("trim", [{"path": "torch/include", "why": "x"}, {"path": "torch/include", "why": "y"}]),
+         "trim[1].path", "listed twice"),
     ],
     ids=["tag-only-base", "unpinned-wheel", "wheel-without-hash", "unknown-transform", "missing-field", "missing-python-version",
          "unquoted-python-version", "malformed-python-version", "other-vllm",
-         "trim-dotdot", "trim-absolute", "trim-everything", "trim-space", "trim-no-reason", "trim-missing-why", "trim-not-a-list"],
+         "trim-dotdot", "trim-absolute", "trim-everything", "trim-space", "trim-no-reason", "trim-missing-why", "trim-not-a-list",
+         "trim-empty-mapping", "trim-null", "trim-wildcard-package", "trim-twice"],
 )
 def test_refusals(tmp_path, change, field, fix):
     path = write_variant(tmp_path, change)
