@@ -14,9 +14,9 @@ optional, defaults shown), e.g. with an adapter from ``sparkcache.tinymodel.make
 with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
 sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`` (e.g.
 ``"align"``) is passed to vLLM for hybrid models; ``"logprobs": true`` reports each output
-token's logprob; ``"enforce_eager"`` (default true: no torch.compile, which costs a CPU engine
-life ~20 s of its ~45 s and changes nothing the connector does; ``vllm serve`` in the serve tests
-and the benchmarks run compiled); ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
+token's logprob; ``"enforce_eager": true`` runs without torch.compile (the host tests' engine lives
+do: compiling cost a tiny-model CPU life ~20 s of its ~49 s; the image's contract and ``vllm
+serve`` in the serve tests run compiled, as operators do); ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
 process each (on CPU give each its core: ``VLLM_CPU_OMP_THREADS_BIND``, and keep gloo on
 loopback: ``GLOO_SOCKET_IFNAME=lo``, ``VLLM_HOST_IP=127.0.0.1``); ``"chain": true`` makes a conversation: each prompt after the first is the
 previous prompt, its output and then its own ids; ``"check_units": {"root": R, "ranks": N}``
@@ -72,7 +72,7 @@ def run(cfg: dict) -> dict:
               kv_transfer_config=kvt, disable_log_stats=False, seed=0,
               max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096), **lora_kwargs,
               **hybrid_kwargs, tensor_parallel_size=cfg.get("tensor_parallel_size", 1),
-              enforce_eager=cfg.get("enforce_eager", True))
+              enforce_eager=cfg.get("enforce_eager", False))
     startup_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
                             logprobs=0 if cfg.get("logprobs") else None)

@@ -27,7 +27,7 @@ BLOCK = 32
 def base(tiny_model, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("store")
     return {"model": tiny_model, "prompts": [list(range(3, 100))], "max_tokens": 2, "block_size": BLOCK,
-            "connector": "sparkcache", "extra": {"root": str(root)}}
+            "connector": "sparkcache", "extra": {"root": str(root)}, "enforce_eager": True}
 
 
 def _refused(cfg: dict, env: dict | None = None) -> str:
