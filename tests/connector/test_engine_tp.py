@@ -63,7 +63,11 @@ def lives(tiny_model, tmp_path_factory):
     env = _tp_env()
     base = {"model": tiny_model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "block_size": BLOCK,
             "tensor_parallel_size": 2}
-    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64}}
+    # Every life waits for its publications to settle before it shuts down: vLLM gives a TP worker
+    # VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to finish them, which a busy disk can outlast
+    # (docs/CONNECTOR.md, "Shutdown").
+    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64},
+          "check_units": {"root": str(root), "ranks": 2}}
     out = {"cold": run_engine(rw, timeout=600, env=env)}
     store = PageStore(str(root))
     store.index.refresh(force=True)
@@ -96,7 +100,8 @@ def hybrid_lives(hybrid_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hybrid-store")
     base = {"model": hybrid_model, "prompts": [PROMPT], **HYBRID, "tensor_parallel_size": 2}
-    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64}}
+    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64},
+          "check_units": {"root": str(root), "ranks": 2}}  # publications settled before shutdown
     env = _tp_env()
     return {"cold": run_engine(rw, timeout=600, env=env), "restored": run_engine(rw, timeout=600, env=env)}
 
@@ -207,8 +212,12 @@ def per_rank_root_lives(tmp_path_factory):
     cfg = {"model": model, "prompts": SMALL[:1], "max_tokens": MAX_TOKENS, "block_size": BLOCK,
            "tensor_parallel_size": 2, "connector": "sparkcache",
            "extra": {"root": str(base / "rank{rank}"), "min_span_tokens": 64}}
-    out = {"tp4": run_engine({**cfg, "tensor_parallel_size": 4}, timeout=600, env=_tp_env(4)),
-           "cold": run_engine(cfg, timeout=600, env=_tp_env())}
+    # each life waits for its publications to settle before it shuts down (see ``lives``)
+    out = {"tp4": run_engine({**cfg, "tensor_parallel_size": 4,
+                              "check_units": {"roots": [str(base / f"rank{r}") for r in range(4)], "ranks": 4}},
+                             timeout=600, env=_tp_env(4)),
+           "cold": run_engine({**cfg, "check_units": {"roots": [str(base / f"rank{r}") for r in range(2)], "ranks": 2}},
+                              timeout=600, env=_tp_env())}
     out["roots"] = []
     for rank in (0, 1, 2, 3):
         store = PageStore(str(base / f"rank{rank}"), read_only=True)
