@@ -54,7 +54,7 @@ DOCKERFILE_TEMPLATE = REPO_ROOT / "images" / "Dockerfile.in"
 def source_files(root: Path = REPO_ROOT) -> list[Path]:
     """Every file of the checkout at root that goes into an image: pyproject.toml and what
     ``layers.baked`` takes under OVERLAY_SOURCES (caches and dotfiles left out, as the overlay does)."""
-    files = [root / "pyproject.toml"]
+    files = [p for p in (root / "pyproject.toml",) if p.is_file()]
     for d in OVERLAY_SOURCES:
         files += [p for p in sorted((root / d).rglob("*")) if layers.baked(p, root / d)]
     return files
@@ -261,7 +261,8 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     t_start = time.monotonic()
     started = dt.datetime.now(dt.timezone.utc)
     timings = {}
-    inputs_at_start = worktree_state(extra=(Path(spec_path), DOCKERFILE_TEMPLATE))
+    read_from_checkout = (Path(spec_path), DOCKERFILE_TEMPLATE)
+    inputs_at_start = worktree_state(extra=read_from_checkout)
     spec = load(spec_path)
     spec_sha256 = layers.sha256_file(spec.path)  # the bytes this build read (the receipt names them)
     if dry_run:
@@ -322,7 +323,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
 
     labels = labels_for(spec, base, lock, sc_version, sde, revision)
     dockerfile = render_dockerfile(wheels_tag, spec, labels)
-    if worktree_state(extra=(Path(spec_path), DOCKERFILE_TEMPLATE)) != inputs_at_start:
+    if worktree_state(extra=read_from_checkout) != inputs_at_start:
         raise BuildError(
             f"the checkout changed while the build read it (pyproject.toml, {', '.join(d + '/' for d in OVERLAY_SOURCES)}, "
             f"the spec, the Dockerfile template or HEAD): the image would carry "

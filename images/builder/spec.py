@@ -216,7 +216,7 @@ def load(path: Path | str) -> Spec:
         deb = Debootstrap(str(d["suite"]), str(d["mirror"]), str(d["variant"]), tuple(d["include"]))
 
     python = raw["python"]
-    if not isinstance(python, str) or not re.match(r"^/[^ ]+/bin/python3?$", python):
+    if not isinstance(python, str) or not re.match(r"^/[A-Za-z0-9_./-]+/bin/python3?$", python):
         raise _fail(path, "python", python, "fix: an absolute path VENV/bin/python (the builder makes the venv)")
     python_version = raw["python_version"]
     if not isinstance(python_version, str) or not PYTHON_VERSION.fullmatch(python_version):

@@ -12,7 +12,8 @@ needs prefill chunks that end on block boundaries).
 Per architecture, one module-scoped sequence of engine lives on one store root, each in its own process:
 
 1. read-write, cold: the 1,100-token prompt is computed (nothing restored: the reference tokens
-   and logprobs); the entry at its last full block (1,088 tokens) is published with the state of
+   and logprobs, equal to a connector-absent life's: for NemotronH that life is
+   test_engine_hybrid_conversation's, for GraniteMoeHybrid one here); the entry at its last full block (1,088 tokens) is published with the state of
    all three Mamba layers;
 2. read-write after a restart: restored to 1,088 tokens (vLLM's counter, the attribution
    record and the connector's own), tokens identical, logprobs within 1e-5;
@@ -55,15 +56,18 @@ def _state_entry(root) -> tuple[PageStore, object]:
 
 @pytest.fixture(scope="module")
 def runs(spec, tmp_path_factory):
-    from sparkcache.tinymodel import make_tiny_hybrid
+    from sparkcache.tinymodel import TINY_HYBRID, make_tiny_hybrid
 
     root = tmp_path_factory.mktemp("store")
     base = {"model": make_tiny_hybrid(spec), "prompts": [PROMPT], **HYBRID}
     rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": BLOCK}}
-    # The cold life (restores nothing: asserted) is the reference every restore is compared with;
-    # that a connector which restores nothing leaves a hybrid model's output as vLLM's alone is
-    # test_engine_hybrid_conversation's connector-disabled comparison.
+    # The cold life (restores nothing: asserted) is the reference every restore is compared with.
+    # That a connector which restores nothing leaves the output as vLLM's alone is shown once per
+    # architecture: for TINY_HYBRID by test_engine_hybrid_conversation's connector-absent life,
+    # for the others here.
     out = {"cold": run_engine(rw)}
+    if spec != TINY_HYBRID:
+        out["absent"] = run_engine({**base, "connector": "none"})
     store, entry = _state_entry(root)
     out["entry"] = (entry.manifest.block_count, entry.manifest.state.size)
     out["restored"] = run_engine(rw)
@@ -104,6 +108,8 @@ def _same_output(result: dict, reference: dict) -> None:
 
 
 def test_cold_run_publishes_pages_with_the_recurrent_state(runs, spec):
+    if "absent" in runs:
+        _same_output(runs["cold"], runs["absent"])
     rec = _record(runs["cold"])
     assert (rec["external_tokens"], rec["recomputed_tokens"]) == (0, len(PROMPT))
     blocks, state_bytes = runs["entry"]

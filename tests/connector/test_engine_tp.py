@@ -63,9 +63,9 @@ def lives(tiny_model, tmp_path_factory):
     env = _tp_env()
     base = {"model": tiny_model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "block_size": BLOCK,
             "tensor_parallel_size": 2}
-    # Every life waits for its publications to settle before it shuts down: vLLM gives a TP worker
-    # VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to finish them, which a busy disk can outlast
-    # (docs/CONNECTOR.md, "Shutdown").
+    # Every life waits for its publications to settle before it shuts down: the offline engine
+    # gets 5 s to stop, which a publication on a busy disk can outlast (docs/CONNECTOR.md,
+    # "Shutdown").
     rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64},
           "check_units": {"root": str(root), "ranks": 2}}
     out = {"cold": run_engine(rw, timeout=600, env=env)}
