@@ -48,13 +48,14 @@ def git(*args: str, cwd: Path = REPO_ROOT) -> str | None:
 # overlay bakes in (the contract suite, the transforms with their lock); the spec and the
 # Dockerfile template are added by build().
 OVERLAY_SOURCES = ("sparkcache", "transforms", "contracts")
+PROJECT_FILE = "pyproject.toml"
 DOCKERFILE_TEMPLATE = REPO_ROOT / "images" / "Dockerfile.in"
 
 
 def source_files(root: Path = REPO_ROOT) -> list[Path]:
     """Every file of the checkout at root that goes into an image: pyproject.toml and what
     ``layers.baked`` takes under OVERLAY_SOURCES (caches and dotfiles left out, as the overlay does)."""
-    files = [p for p in (root / "pyproject.toml",) if p.is_file()]
+    files = [p for p in (root / PROJECT_FILE,) if p.is_file()]
     for d in OVERLAY_SOURCES:
         files += [p for p in sorted((root / d).rglob("*")) if layers.baked(p, root / d)]
     return files
@@ -66,7 +67,7 @@ def worktree_state(root: Path = REPO_ROOT, extra: tuple[Path, ...] = ()) -> str:
     h = hashlib.sha256((git("rev-parse", "HEAD", cwd=root) or "no git").encode())
     for p in [*source_files(root), *extra]:
         try:
-            data = hashlib.sha256(p.read_bytes()).hexdigest()
+            data = layers.sha256_file(p)
         except OSError:
             data = "<unreadable>"
         h.update(f"{p}\0{data}\0".encode())
@@ -79,7 +80,7 @@ def revision_of(root: Path = REPO_ROOT) -> str:
     head = git("rev-parse", "HEAD", cwd=root)
     if head is None:
         return "uncommitted"
-    tracked = set((git("ls-files", "-z", "--", "pyproject.toml", *OVERLAY_SOURCES, cwd=root) or "").split("\0"))
+    tracked = set((git("ls-files", "-z", "--", PROJECT_FILE, *OVERLAY_SOURCES, cwd=root) or "").split("\0"))
     untracked = [p for p in source_files(root) if p.relative_to(root).as_posix() not in tracked]
     return head + "-dirty" if untracked or git("status", "--porcelain", "--untracked-files=no", cwd=root) else head
 
@@ -325,7 +326,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     dockerfile = render_dockerfile(wheels_tag, spec, labels)
     if worktree_state(extra=read_from_checkout) != inputs_at_start:
         raise BuildError(
-            f"the checkout changed while the build read it (pyproject.toml, {', '.join(d + '/' for d in OVERLAY_SOURCES)}, "
+            f"the checkout changed while the build read it ({PROJECT_FILE}, {', '.join(d + '/' for d in OVERLAY_SOURCES)}, "
             f"the spec, the Dockerfile template or HEAD): the image would carry "
             f"files that its revision label ({revision}) and receipt do not name; fix: build again once the edits are done "
             f"(or from a clean clone)")

@@ -213,11 +213,11 @@ def per_rank_root_lives(tmp_path_factory):
            "tensor_parallel_size": 2, "connector": "sparkcache",
            "extra": {"root": str(base / "rank{rank}"), "min_span_tokens": 64}}
     # each life waits for its publications to settle before it shuts down (see ``lives``)
-    out = {"tp4": run_engine({**cfg, "tensor_parallel_size": 4,
-                              "check_units": {"roots": [str(base / f"rank{r}") for r in range(4)], "ranks": 4}},
-                             timeout=600, env=_tp_env(4)),
-           "cold": run_engine({**cfg, "check_units": {"roots": [str(base / f"rank{r}") for r in range(2)], "ranks": 2}},
-                              timeout=600, env=_tp_env())}
+    def settled(ranks: int) -> dict:
+        return {"check_units": {"roots": [str(base / f"rank{r}") for r in range(ranks)], "ranks": ranks}}
+
+    out = {"tp4": run_engine({**cfg, "tensor_parallel_size": 4, **settled(4)}, timeout=600, env=_tp_env(4)),
+           "cold": run_engine({**cfg, **settled(2)}, timeout=600, env=_tp_env())}
     out["roots"] = []
     for rank in (0, 1, 2, 3):
         store = PageStore(str(base / f"rank{rank}"), read_only=True)
@@ -232,10 +232,9 @@ def per_rank_root_lives(tmp_path_factory):
                             blocks_per_page=4).ok
     leases = [full.lookup(e.manifest.identity, e.manifest.block_keys, lease=True).lease_id
               for e in full.entries()]
-    roots = [str(base / f"rank{r}") for r in (0, 1)]
     out["restored"] = run_engine({**cfg, "prompts": SMALL[:3],
                                   "extra": {**cfg["extra"], "max_bytes": "3MiB", "low_watermark_bytes": "2MiB"},
-                                  "check_units": {"roots": roots, "ranks": 2}}, timeout=600, env=_tp_env())
+                                  **settled(2)}, timeout=600, env=_tp_env())
     for lease in leases:
         full.release(lease)
     return out
