@@ -22,8 +22,11 @@ loopback: ``GLOO_SOCKET_IFNAME=lo``, ``VLLM_HOST_IP=127.0.0.1``); ``"chain": tru
 previous prompt, its output and then its own ids; ``"check_units": {"root": R, "ranks": N}``
 (or ``"roots": [R0, R1, ...]``, one per rank; optional ``"namespace"``) checks after every
 request that the stores hold no entry with only some of the N tensor-parallel ranks' shards,
-once its publications settled (quiet for 2 s, at most 30 s); per result: ``incomplete_units``,
-``units_quiet`` (false: the deadline passed first) and ``units_settle_s``.
+once its publications settled (quiet for 2 s; the deadline, ``"deadline_s"``, default 300 s,
+only guards against a hang: on a disk that other writers keep busy a publication's three sync
+rounds alone took over 30 s); per result: ``incomplete_units``,
+``units_quiet`` (false: the deadline passed first; then ``units_changes`` says what kept
+moving) and ``units_settle_s``.
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
@@ -115,28 +118,43 @@ def run(cfg: dict) -> dict:
     return {"results": results, "metrics": metrics, "startup_s": startup_s}
 
 
-def _settled_units(check: dict, quiet_s: float = 2.0, deadline_s: float = 30.0) -> dict:
+def _settled_units(check: dict, quiet_s: float = 2.0) -> dict:
     """Wait until the stores are quiet (no live publication, the same entries for ``quiet_s``:
     the engine captures a finished request in its next steps), or the deadline passes; the
     entries then lacking a rank's shard, whether it got quiet, and how long the wait took."""
     from sparkcache.store import PageStore, incomplete_units
 
     roots = check.get("roots") or [check["root"]]
+    deadline_s = float(check.get("deadline_s", 300.0))
     t = time.monotonic()
     seen, since = None, t
+    changes: list[str] = []  # what moved, for a store that does not get quiet
     while True:
         stores = [PageStore(r, namespace=check.get("namespace", "default"), read_only=True) for r in roots]
         now = tuple((frozenset(st.index.entries), frozenset(os.listdir(st.layout.staging_dir)))
                     for st in stores)
         if now != seen:
+            if seen is not None:
+                changes.append(_change(time.monotonic() - t, seen, now))
             seen, since = now, time.monotonic()
         quiet = not any(staging for _, staging in now) and time.monotonic() - since >= quiet_s
         if quiet or time.monotonic() - t > deadline_s:
             entries = [e for st in stores for e in st.index.entries.values()]
             bad = incomplete_units(entries, int(check["ranks"]))
             return {"incomplete_units": [[u.block_count, list(u.ranks)] for u in bad],
-                    "units_quiet": quiet, "units_settle_s": time.monotonic() - t}
+                    "units_quiet": quiet, "units_settle_s": time.monotonic() - t,
+                    "units_changes": [] if quiet else changes[-20:]}
         time.sleep(0.1)
+
+
+def _change(at: float, before: tuple, after: tuple) -> str:
+    """One line per root that moved: entries added and removed, staging names now."""
+    parts = []
+    for root, ((e0, s0), (e1, s1)) in enumerate(zip(before, after)):
+        if (e0, s0) != (e1, s1):
+            parts.append(f"root {root}: entries +{len(e1 - e0)} -{len(e0 - e1)} "
+                         f"(now {len(e1)}), staging {sorted(s1)}")
+    return f"{at:.1f} s: " + "; ".join(parts)
 
 
 RESULT_MARKER = "ENGINE-RESULT "

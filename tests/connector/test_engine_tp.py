@@ -114,6 +114,12 @@ def _tokens(result: dict) -> list[list[int]]:
     return [r["tokens"] for r in result["results"]]
 
 
+def _assert_units_whole_and_settled(results: list[dict]) -> None:
+    """After every request (``check_units``): its publications settled, no entry lacks a rank."""
+    assert [(r["incomplete_units"], r["units_quiet"]) for r in results] == [([], True)] * len(results), \
+        [r["units_changes"] for r in results]
+
+
 def _computed(result: dict) -> list[list[int]]:
     """The tokens of a life that restored nothing: the reference every restore is compared with."""
     records = _records(result)
@@ -190,7 +196,7 @@ def test_a_store_at_its_cap_never_keeps_an_entry_of_only_some_ranks(small_store_
     entry lacks a rank's shard, and no offered restore is refused by either rank."""
     first, again = small_store_lives
     results = first["results"] + again["results"]
-    assert [(r["incomplete_units"], r["units_quiet"]) for r in results] == [([], True)] * len(results)
+    _assert_units_whole_and_settled(results)
     assert metric(first, "vllm:sparkcache_evictions") > 0
     records = _records(first) + _records(again)
     assert [r["failed_restores"] for r in records] == [0] * len(records)
@@ -267,7 +273,7 @@ def test_a_shard_whose_sibling_was_refused_is_removed_when_the_capture_settles(p
     goes through: once both reported, the scheduler removes rank 0's shard, so no root keeps
     an entry that can never be restored (and the next capture publishes both)."""
     life = per_rank_root_lives["restored"]
-    assert [(r["incomplete_units"], r["units_quiet"]) for r in life["results"]] == [([], True)] * 3
+    _assert_units_whole_and_settled(life["results"])
     # vLLM's offline metrics hold what reached the frontend by the last request: the second
     # request's capture at least (the third's settles after its generate returned)
     assert metric(life, "vllm:sparkcache_captures", outcome="publish_failed") >= 1
