@@ -4,7 +4,7 @@ Used by the host suite (tests/connector) and by the contract suite inside an ima
 ``run_in_fresh_process``; on its own:
 
     python -m contracts.engine_driver '{"model": DIR, "connector": "sparkcache"|"example"|"none",
-        "extra": {...}, "prompts": [[ids...]], "max_tokens": 16, "block_size": 32}'
+        "extra": {...}, "prompts": [[ids...]], "max_tokens": 16, "block_size": 32}'   (or @FILE holding that JSON)
 
 A prompt is a list of token ids, or ``{"ids": [...], "cache_salt": "s", "lora": {"name": "a",
 "id": 1, "path": DIR}}`` (both keys optional): the salt goes into ``TokensPrompt(cache_salt=)``,
@@ -163,7 +163,7 @@ RESULT_MARKER = "ENGINE-RESULT "
 def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
                          command: tuple[str, ...] = ("contracts.engine_driver",),
                          env: dict[str, str] | None = None) -> dict:
-    """``python -m *command JSON(cfg)`` in a new interpreter (its own session, killed with its
+    """``python -m *command @FILE`` (``FILE``: the JSON of ``cfg``; ``load_cfg`` reads it) in a new interpreter (its own session, killed with its
     group afterwards: engine processes ignore SIGTERM), with ``cwd`` first on PYTHONPATH; the
     child prints one ``ENGINE-RESULT {json}`` line. Returns that JSON plus ``log`` (the tail of
     its output); raises RuntimeError with that output when the child fails. ``env`` adds to
@@ -174,9 +174,13 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
                PYTHONPATH=os.pathsep.join(filter(None, [first, str(cwd), os.environ.get("PYTHONPATH")])))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     shm_before = _shm_entries()
-    # Files, not pipes, so a straggler that inherited them cannot keep us waiting.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen([sys.executable, "-m", *command, json.dumps(cfg)],
+    # Files, not pipes, so a straggler that inherited them cannot keep us waiting. The config
+    # goes in a file too: one argument may not exceed 128 KiB, a 32K-token prompt's ids do.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
+            tempfile.NamedTemporaryFile("w", suffix=".json") as cfg_file:
+        json.dump(cfg, cfg_file)
+        cfg_file.flush()
+        p = subprocess.Popen([sys.executable, "-m", *command, "@" + cfg_file.name],
                              cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
             p.wait(timeout=timeout)
@@ -249,7 +253,15 @@ def _remove_new_shm(before: set[str]) -> None:
             pass
 
 
+def load_cfg(arg: str) -> dict:
+    """A life's config from the command line: JSON, or ``@FILE`` holding it."""
+    if arg.startswith("@"):
+        with open(arg[1:]) as f:
+            return json.load(f)
+    return json.loads(arg)
+
+
 if __name__ == "__main__":
-    result = run(json.loads(sys.argv[1]))
+    result = run(load_cfg(sys.argv[1]))
     print(RESULT_MARKER + json.dumps(result), flush=True)
     os._exit(0)  # do not wait for stray non-daemon threads after the engine shut down

@@ -15,13 +15,20 @@ One module-scoped sequence of engine lives on one store root, each in its own pr
    writes it again;
 6. read-write after that: restored again, with identical output;
 7. disabled, pointed at a root that does not exist: it still does not exist afterwards.
+
+And at conversation scale, a 32K-token prompt (the tiny model with positions to 40,960):
+computed and published, restored with identical output, then one byte of a page in the
+middle of the entry flipped: refused, recomputed, identical output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+
+from sparkcache.store import PageStore
 
 from mounts import read_only_view
 
@@ -123,3 +130,45 @@ def test_disabled_does_no_file_io_under_the_root(runs):
     assert res["results"][0]["tokens"] == runs["reference"]["results"][0]["tokens"]
     rec = record(res)
     assert rec["recomputed_tokens"] == len(PROMPT) and rec["external_tokens"] == 0
+
+
+LONG_PROMPT = long_prompt(32768, seed=7)
+
+
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    from sparkcache.tinymodel import TINY, make_tiny_model
+
+    model = make_tiny_model(dataclasses.replace(TINY, max_position_embeddings=40960))
+    root = tmp_path_factory.mktemp("long-store")
+    rw = {"model": model, "prompts": [LONG_PROMPT], "max_tokens": 16, "block_size": BLOCK,
+          "max_model_len": 40960, "max_num_batched_tokens": 40960, "connector": "sparkcache",
+          "extra": {"root": str(root), "min_span_tokens": 64}}
+    out = {"cold": run_engine(rw, timeout=900), "restored": run_engine(rw, timeout=900)}
+    store = PageStore(str(root), read_only=True)
+    (entry,) = store.index.entries.values()
+    pages = entry.manifest.pages
+    victim = Path(store.objects.path(pages[len(pages) // 2].digest))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    victim.chmod(0o644)
+    victim.write_bytes(bytes(data))
+    out["pages"] = len(pages)
+    out["corrupt"] = run_engine(rw, timeout=900)
+    return out
+
+
+def test_a_flipped_byte_in_a_32k_token_entry_is_refused_and_recomputed(long_runs):
+    reference = long_runs["cold"]["results"][0]["tokens"]
+    assert record(long_runs["cold"])["external_tokens"] == 0
+    # the restore of the intact entry: every reusable token, identical output
+    long_reusable = (len(LONG_PROMPT) - 1) // BLOCK * BLOCK
+    assert record(long_runs["restored"])["external_tokens"] == long_reusable
+    assert long_runs["restored"]["results"][0]["tokens"] == reference
+    assert long_runs["pages"] == -(-len(LONG_PROMPT) // (16 * BLOCK))  # 64 pages of 16 blocks
+    corrupt = long_runs["corrupt"]
+    rec = record(corrupt)
+    assert (rec["external_tokens"], rec["failed_restores"], rec["recomputed_tokens"]) == (0, 1, len(LONG_PROMPT))
+    assert corrupt["results"][0]["tokens"] == reference
+    assert "refused" in corrupt["log"] and "corrupt" in corrupt["log"]
+    assert metric(corrupt, "vllm:sparkcache_quarantined_objects") == 1

@@ -28,25 +28,25 @@ NUM_BLOCKS = 64
 BLOCKS_PER_ENTRY = 32  # 32 blocks x 2 layers x 2 (K, V) x 32 tokens x 2 heads x 32 x 4 bytes = 1 MiB
 
 
-def _kv_cache_config():
+def _kv_cache_config(num_blocks: int = NUM_BLOCKS):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
 
 
-def _worker(root, mode: str, **settings_extra) -> WorkerSide:
+def _worker(root, mode: str, num_blocks: int = NUM_BLOCKS, **settings_extra) -> WorkerSide:
     settings = load_settings(env={}, extra_config={
         "root": str(root), "access_mode": mode, "max_bytes": "3MiB", "low_watermark_bytes": "2MiB",
         "min_span_tokens": BLOCK, "capture_slots": 2, "capture_slot_bytes": "2MiB",
         "maintenance_interval_seconds": 0.05, **settings_extra})
     identity = Identity("maint-test", "fp32-2x2x32", BLOCK, 0, "untransformed")
     store = _open_store(settings, metrics=None)  # the connector's own choice per access mode
-    config = _kv_cache_config()
+    config = _kv_cache_config(num_blocks)
     worker = WorkerSide(settings, identity, store, config, describe_kv_layout(config))
     torch.manual_seed(0)
-    worker.register_kv_caches({name: torch.randn(NUM_BLOCKS, 2, BLOCK, 2, 32) for name in LAYERS})
+    worker.register_kv_caches({name: torch.randn(num_blocks, 2, BLOCK, 2, 32) for name in LAYERS})
     return worker
 
 

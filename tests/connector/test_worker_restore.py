@@ -28,16 +28,20 @@ STORED_BLOCKS = 20  # 2 pages of 16 blocks (page_blocks default), the second one
 def published(tmp_path):
     """A read-write worker that captured one 20-block prompt; its KV and keys. Closed after."""
     worker = _worker(tmp_path / "store", "read-write")
-    tokens = list(range(1, STORED_BLOCKS * BLOCK + 2))
-    keys = BlockKeys(BLOCK).upto(tokens, STORED_BLOCKS)
-    worker.capture(CapturePlan("store", keys, 0, [list(range(STORED_BLOCKS))]))
-    deadline = time.monotonic() + 60
+    yield worker, *_captured(worker, STORED_BLOCKS)
+    worker.close()
+
+
+def _captured(worker, blocks: int) -> tuple[list[str], dict]:
+    """Capture blocks [0, blocks) of the worker's cache as a prompt and wait until it is
+    published; its keys and a copy of its KV."""
+    keys = BlockKeys(BLOCK).upto(list(range(1, blocks * BLOCK + 2)), blocks)
+    worker.capture(CapturePlan("store", keys, 0, [list(range(blocks))]))
+    deadline = time.monotonic() + 120
     while worker.slots.stats.published < 1:
         assert worker.slots.stats.publish_failed == 0 and time.monotonic() < deadline
         time.sleep(0.02)
-    stored = {name: kv[:STORED_BLOCKS].clone() for name, kv in worker.kv.items()}
-    yield worker, keys, stored
-    worker.close()
+    return keys, {name: kv[:blocks].clone() for name, kv in worker.kv.items()}
 
 
 def _plan(worker, keys, start: int, dest: list[int]) -> LoadPlan:
@@ -109,5 +113,41 @@ def test_entry_published_in_another_page_size_is_placed_by_its_own(tmp_path, pub
         worker.load(plan)
         assert worker.take_results()[1:] == ({"r"}, set())
         assert _placed(worker, dest, start, stored)
+    finally:
+        worker.close()
+
+
+LONG_BLOCKS = 32768 // BLOCK  # a 32K-token prompt: 64 pages of 16 blocks, 32 MiB
+
+
+def test_a_flipped_byte_in_a_32k_token_restore_places_nothing(tmp_path):
+    """At conversation scale (64 pages): a flipped byte in page 40 fails the restore (vLLM
+    recomputes the request) before any byte reaches the KV cache; the corrupt object is
+    removed (the next capture writes it anew)."""
+    worker = _worker(tmp_path / "store", "read-write", num_blocks=2 * LONG_BLOCKS,
+                     max_bytes="1GiB", low_watermark_bytes="512MiB", capture_slot_bytes="64MiB")
+    try:
+        keys, stored = _captured(worker, LONG_BLOCKS)
+        dest = list(range(LONG_BLOCKS, 2 * LONG_BLOCKS))
+        plan = _plan(worker, keys, 0, dest)
+        plan = dataclasses.replace(plan, sync=True)
+        # first the intact restore places every byte: the test can tell placed from not
+        worker.load(plan)
+        assert worker.take_sync_outcomes() == (["r"], [])
+        assert _placed(worker, dest, 0, stored)
+        for kv in worker.kv.values():
+            kv[dest] = 0
+        victim = plan.stored.pages[40]
+        path = worker.store.objects.path(victim.digest)
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 3] ^= 0x01
+        os.chmod(path, 0o644)
+        with open(path, "wb") as f:
+            f.write(data)
+        worker.load(plan)
+        assert worker.take_sync_outcomes() == ([], ["r"])
+        assert worker.take_invalid_block_ids() == set(dest)  # vLLM recomputes them all
+        assert all(not worker.kv[n][dest].any() for n in worker.kv)
+        assert not os.path.exists(path)  # quarantined
     finally:
         worker.close()
