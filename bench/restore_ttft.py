@@ -2,6 +2,18 @@
 
     python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3] [--prompts 4]
         [--recompute-reps 1] [--kv-cache-gib 1] [--cold]
+    python -m bench.restore_ttft --out bench-out/restore_curve.json --prompt-tokens 2048,8192,32768,65536 \
+        [--recompute-max-tokens 8192] ...
+
+Several sizes make a curve: one point per size (each as below), then per size the TTFT of each
+arm, the load each restore arm added over a local hit and its GB/s (bytes placed / load
+added), sparkcache's restore rate (its worker's own restore time, from the connector's
+``restore_seconds`` and ``restore_bytes`` histograms) next to the raw read rate of the same
+stored files in the same page-cache state (``bench.page_cache.read_rate``), in the JSON
+(``curve``) and a PNG beside it. Sizes above ``--recompute-max-tokens`` get no timed
+recompute life (a 64K-token prefill takes minutes on 2 cores): their recompute TTFT is the
+sparkcache storing life's, a fresh engine computing the prompt. Each life's KV cache holds at
+least two copies of the prompt's KV, so the local repeat still hits.
 
 One run, three arms, the same ``--prompts`` prompts (random token ids, 2,000+ tokens each,
 no shared prefix), greedy:
@@ -69,8 +81,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.page_cache import evict, files_under, resident_fraction
-from contracts.engine_driver import RESULT_MARKER, run_in_fresh_process
+from bench.page_cache import evict, files_under, read_rate, resident_fraction
+from contracts.engine_driver import RESULT_MARKER, load_cfg, run_in_fresh_process
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = ("recompute", "sparkcache", "example")
@@ -260,14 +272,20 @@ def _engine_life(cfg: dict) -> dict:
             request.update(local_ttft_s=ttft_of(again), local_cached_tokens=again.num_cached_tokens or 0)
         requests.append(request)
     external = 0.0
+    restore = {"seconds": 0.0, "bytes": 0.0, "count": 0}  # sparkcache's histograms (worker side)
     for m in llm.get_metrics():
         if m.name == "vllm:external_prefix_cache_hits":
             external += getattr(m, "value", 0) or 0
+        elif m.name == "vllm:sparkcache_restore_seconds":
+            restore["seconds"] += m.sum
+            restore["count"] += m.count
+        elif m.name == "vllm:sparkcache_restore_bytes":
+            restore["bytes"] += m.sum
     try:  # shut down: the connector drains its publications (the storing life needs this)
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
-    return {"startup_s": startup_s, "requests": requests, "external_hit_tokens": external}
+    return {"startup_s": startup_s, "requests": requests, "external_hit_tokens": external, "restore": restore}
 
 
 # ---------------------------------------------------------------------- parent
@@ -282,6 +300,15 @@ def _median(xs: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """One point per ``--prompt-tokens`` size, smallest first; one size: that point alone."""
+    points = [run_point(args, n) for n in sorted(args.prompt_tokens)]
+    if len(points) == 1:
+        return points[0]
+    return {"bench": "restore_ttft_curve", "sizes": [p["prompt_tokens"] for p in points],
+            "curve": curve(points), "points": points}
+
+
+def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     from sparkcache.tinymodel import BENCH, BENCH_HYBRID, TINY, make_tiny_hybrid, make_tiny_model
 
     if args.model == "hybrid":
@@ -291,38 +318,54 @@ def run(args: argparse.Namespace) -> dict:
     else:
         spec, shape, arm_names = (TINY if args.model == "tiny" else BENCH), LLAMA_SHAPE, ARMS
         model, figures = make_tiny_model(spec), model_figures
+    max_model_len = max(4096, prompt_tokens + 64)
+    if max_model_len > spec.max_position_embeddings:
+        raise SystemExit(f"--prompt-tokens {prompt_tokens}: the {args.model} model takes at most "
+                         f"{spec.max_position_embeddings - 64} (its max_position_embeddings, "
+                         f"{spec.max_position_embeddings}, less 64 for the output); pick a smaller size")
+    fig = figures(model, spec, prompt_tokens)
+    # the KV of one prompt, twice over (the restored copy and vLLM's own blocks), at least
+    # --kv-cache-gib: the repeat must find the prompt still in the engine's prefix cache
+    kv_cache_bytes = max(int(args.kv_cache_gib * (1 << 30)), 2 * max_model_len * fig.kv_bytes_per_token)
+    recompute_timed = prompt_tokens <= args.recompute_max_tokens
+    timed_arms = arm_names if recompute_timed else arm_names[1:]
     dtype = args.dtype or spec.dtype
     rng = random.Random(args.seed)
     vocab = spec.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_tokens)] for _ in range(args.prompts)]
     # shorter than the connector's min_span_tokens (64): sparkcache does not capture it, so no
     # background publication overlaps the timed requests (ExampleConnector stores it in-step)
     warmup = [rng.randrange(3, vocab) for _ in range(40)]
-    reusable = (args.prompt_tokens - 1) // shape.block_size * shape.block_size
+    reusable = (prompt_tokens - 1) // shape.block_size * shape.block_size
     base = {"model": model, "dtype": dtype, "prompts": prompts, "warmup": warmup, "shape": asdict(shape),
-            "check_tokens": args.check_tokens, "max_model_len": max(4096, args.prompt_tokens + 64),
-            "cold": args.cold, "kv_cache_bytes": int(args.kv_cache_gib * (1 << 30))}
+            "check_tokens": args.check_tokens, "max_model_len": max_model_len,
+            "cold": args.cold, "kv_cache_bytes": kv_cache_bytes}
     work = Path(tempfile.mkdtemp(prefix="restore_ttft-", dir=args.work_dir))
     timed: list[Timed] = []
-    startups: dict[str, list[float]] = {arm: [] for arm in arm_names}
-    external: dict[str, float] = {arm: 0.0 for arm in arm_names}
+    startups: dict[str, list[float]] = {arm: [] for arm in timed_arms}
+    external: dict[str, float] = {arm: 0.0 for arm in timed_arms}
+    restored = {"seconds": 0.0, "bytes": 0.0, "count": 0}  # sparkcache's worker, all timed lives
     populate: dict[str, list[float]] = {}
     for arm in arm_names[1:]:  # the restore arms store the prompts first, in a life of their own
         t = time.monotonic()
         stored = run_life({**base, "arm": arm, "root": str(work / arm), "warmup": None, "check_tokens": 1,
-                           "repeat_local": False})
+                           "repeat_local": False}, args.life_timeout)
         populate[arm] = [r["ttft_s"] for r in stored["requests"]]
-        print(f"[{arm}] stored {len(prompts)} prompts in {time.monotonic() - t:.0f} s "
+        print(f"[{prompt_tokens}] [{arm}] stored {len(prompts)} prompts in {time.monotonic() - t:.0f} s "
               f"(ttft {' '.join(f'{x:.2f}' for x in populate[arm])} s)", flush=True)
     # Timed lives interleave the arms (rep 0 of each, then rep 1, ...), so a machine that gets
     # busier or quieter during the run shifts every arm alike.
     for rep in range(args.reps):
-        for arm in arm_names:
+        for arm in timed_arms:
             if arm == "recompute" and rep >= args.recompute_reps:
                 continue
-            life = run_life({**base, "arm": arm, "root": str(work / arm), "repeat_local": True})
+            life = run_life({**base, "arm": arm, "root": str(work / arm), "repeat_local": True},
+                            args.life_timeout)
             startups[arm].append(life["startup_s"])
             external[arm] += life["external_hit_tokens"]
+            if arm == "sparkcache":
+                for key in restored:
+                    restored[key] += life["restore"][key]
             for i, r in enumerate(life["requests"]):
                 if r["local_cached_tokens"] < reusable:
                     raise RuntimeError(f"[{arm}] rep {rep} prompt {i}: the repeat hit {r['local_cached_tokens']} "
@@ -330,14 +373,14 @@ def run(args: argparse.Namespace) -> dict:
                 timed.append(Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
                                    r["num_cached_tokens"], r["local_ttft_s"], r["resident_fraction"],
                                    r["ttft_s"] - r["local_ttft_s"]))
-            print(f"[{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
+            print(f"[{prompt_tokens}] [{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
                   " s, local repeat " + " ".join(f"{r['local_ttft_s']:.3f}" for r in life["requests"]) +
                   f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, stored KV in page cache "
                   f"{min(r['resident_fraction'] for r in life['requests']):.0%}-"
                   f"{max(r['resident_fraction'] for r in life['requests']):.0%}, "
                   f"startup {life['startup_s']:.0f} s)", flush=True)
     arms = {}
-    for arm in arm_names:
+    for arm in timed_arms:
         mine = [t for t in timed if t.arm == arm]
         ts = [t.ttft_s for t in mine]
         lives = sorted({t.rep for t in mine})
@@ -352,44 +395,64 @@ def run(args: argparse.Namespace) -> dict:
     def consistent(*names: str) -> bool:  # one greedy output per prompt across these arms' lives
         return all(len({tuple(t.check_tokens) for t in timed if t.arm in names and t.prompt == i}) == 1
                    for i in range(len(prompts)))
-    rec, sc = arms["recompute"].ttft_median_s, arms["sparkcache"].ttft_median_s
+    # Above --recompute-max-tokens the recompute figure is the sparkcache storing life's TTFT: a
+    # fresh engine computing each prompt (no warm-up: at these sizes a first forward's one-off
+    # costs are noise against minutes of prefill)
+    rec = arms["recompute"].ttft_median_s if recompute_timed else _median(populate["sparkcache"])
+    sc = arms["sparkcache"].ttft_median_s
     sc_over = arms["sparkcache"].restore_overhead_median_s
     ratios = {"recompute_over_sparkcache": rec / sc}
-    outputs = {"each_arm_consistent": all(consistent(a) for a in arm_names),
-               "recompute_identical_to_restore": consistent(*arm_names)}
+    outputs = {"each_arm_consistent": all(consistent(a) for a in timed_arms),
+               "recompute_identical_to_restore": consistent(*timed_arms) if recompute_timed else None}
     targets = {"sparkcache_faster_than_recompute": sc < rec,
                "sparkcache_restored_everything": arms["sparkcache"].num_cached_tokens == reusable}
     if "example" in arms:
         ex, ex_over = arms["example"].ttft_median_s, arms["example"].restore_overhead_median_s
         # the same request of the same round, sparkcache against ExampleConnector
-        pairs = {(t.rep, t.prompt): t.ttft_s for t in timed if t.arm == "example"}
-        paired = [pairs[(t.rep, t.prompt)] / t.ttft_s for t in timed if t.arm == "sparkcache"]
+        pairs = {(t.rep, t.prompt): t for t in timed if t.arm == "example"}
+        mine = [t for t in timed if t.arm == "sparkcache"]
+        paired = [pairs[(t.rep, t.prompt)].ttft_s / t.ttft_s for t in mine]
+        # the load each added over its own local hit, request by request (seconds; > 0: sparkcache's is smaller)
+        load_diffs = [pairs[(t.rep, t.prompt)].restore_overhead_s - t.restore_overhead_s for t in mine]
         rounds = list(zip(arms["sparkcache"].life_medians_s, arms["example"].life_medians_s))
         ratios.update({"example_over_sparkcache": ex / sc,
                        "example_over_sparkcache_paired_median": _median(paired),
                        "sparkcache_faster_in_pairs": f"{sum(r >= 1 for r in paired)}/{len(paired)}",
                        "sparkcache_faster_in_rounds": f"{sum(s <= e for s, e in rounds)}/{len(rounds)}",
-                       "example_over_sparkcache_restore_overhead": ex_over / sc_over if sc_over > 0 else None})
+                       "example_over_sparkcache_restore_overhead": ex_over / sc_over if sc_over > 0 else None,
+                       "sparkcache_load_smaller_in_pairs": f"{sum(d >= 0 for d in load_diffs)}/{len(load_diffs)}",
+                       "example_minus_sparkcache_load_paired_median_s": _median(load_diffs)})
         outputs["restore_arms_identical"] = consistent("sparkcache", "example")
         targets.update({"sparkcache_at_least_as_fast_as_example": sc <= ex,
                         "sparkcache_restore_overhead_at_most_example": sc_over <= ex_over,
                         "example_restored_everything": arms["example"].num_cached_tokens == reusable})
+    # The restore path's own rate (the worker's restore_seconds and restore_bytes histograms)
+    # against a plain read of the same stored files in the same page-cache state.
+    raw = read_rate(files_under(str(work / "sparkcache")), cold=args.cold)
+    rate = restored["bytes"] / restored["seconds"] / 1e9 if restored["seconds"] > 0 else 0.0
+    restore_rate = {"restores": restored["count"], "bytes": restored["bytes"], "seconds": restored["seconds"],
+                    "gb_per_s": rate, "raw_read": raw,
+                    "of_raw_read": rate / raw["gb_per_s"] if raw["gb_per_s"] > 0 else None}
+    targets["sparkcache_restore_rate_at_least_70pct_of_raw_read"] = (restore_rate["of_raw_read"] or 0) >= 0.7
     result = {
         "bench": "restore_ttft",
-        "prompt_tokens": args.prompt_tokens, "prompts": len(prompts), "engine": asdict(shape),
+        "prompt_tokens": prompt_tokens, "prompts": len(prompts), "engine": asdict(shape),
         "reusable_tokens": reusable, "reps": args.reps, "warmup_tokens": len(warmup),
         "check_tokens": args.check_tokens,
         "ttft": "RequestOutput.metrics.first_token_latency (median over reps x prompts)",
-        "model": asdict(figures(model, spec, args.prompt_tokens)),
+        "model": asdict(fig),
         "arms": {a: asdict(s) for a, s in arms.items()},
+        "recompute": {"ttft_median_s": rec, "source": "timed lives" if recompute_timed else
+                      "the sparkcache storing life (above --recompute-max-tokens)"},
         "not_run": {} if "example" in arms else {
             "example": "vLLM's ExampleConnector cannot load a hybrid model (docs/CONNECTOR.md)"},
         "timed": [asdict(t) for t in timed],
+        "restore_rate": restore_rate,
         "ratios": ratios, "outputs": outputs, "targets": targets,
         "page_cache": ("cold (the arm's stored files evicted before each timed request)"
                        if args.cold else "warm (the stored files were written by the previous life on "
                        "this machine; resident_fraction_range says how much stayed)"),
-        "kv_cache_gib": args.kv_cache_gib,
+        "kv_cache_bytes": kv_cache_bytes,
         "cpu_count": os.cpu_count(),
     }
     if not args.keep:
@@ -399,9 +462,68 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def curve(points: list[dict]) -> list[dict]:
+    """Per size: TTFT of each arm, the load each restore arm added over a local hit, its
+    rate in GB/s (bytes placed / load added), sparkcache's own restore rate and the raw read."""
+    rows = []
+    for p in points:
+        kv_bytes = p["reusable_tokens"] * p["model"]["kv_bytes_per_token"]
+        row = {"prompt_tokens": p["prompt_tokens"], "restored_bytes_per_request": kv_bytes,
+               "recompute_ttft_s": p["recompute"]["ttft_median_s"],
+               "restore_gb_per_s": p["restore_rate"]["gb_per_s"],
+               "raw_read_gb_per_s": p["restore_rate"]["raw_read"]["gb_per_s"],
+               "pairs": p["ratios"].get("sparkcache_load_smaller_in_pairs")}
+        for arm in ("sparkcache", "example"):
+            if arm in p["arms"]:
+                added = p["arms"][arm]["restore_overhead_median_s"]
+                row[f"{arm}_ttft_s"] = p["arms"][arm]["ttft_median_s"]
+                row[f"{arm}_load_added_s"] = added
+                row[f"{arm}_load_gb_per_s"] = kv_bytes / added / 1e9 if added > 0 else None
+        rows.append(row)
+    return rows
+
+
+def plot(result: dict, png: Path) -> Path | None:
+    """Load time and GB/s against prompt size, one line per arm (None without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["curve"]
+    x = [r["prompt_tokens"] for r in rows]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
+    for arm, style in (("sparkcache", "o-"), ("example", "s--")):
+        if all(f"{arm}_load_added_s" in r for r in rows):
+            ax1.plot(x, [r[f"{arm}_load_added_s"] * 1e3 for r in rows], style, label=arm)
+            ax2.plot(x, [r[f"{arm}_load_gb_per_s"] or 0 for r in rows], style, label=f"{arm} (bytes / load added)")
+            ax3.plot(x, [r[f"{arm}_ttft_s"] for r in rows], style, label=arm)
+    ax2.plot(x, [r["restore_gb_per_s"] for r in rows], "o:", label="sparkcache restore (worker's own time)")
+    ax2.plot(x, [r["raw_read_gb_per_s"] for r in rows], "k-", label="raw read of the same files")
+    ax3.plot(x, [r["recompute_ttft_s"] for r in rows], "^-", label="recompute")
+    for ax, title, unit in ((ax1, "load added over a local hit", "ms"), (ax2, "rate", "GB/s"),
+                            (ax3, "time to first token", "s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    ax3.set_yscale("log")
+    cache = "cold" if result["points"][0]["page_cache"].startswith("cold") else "warm"
+    fig.suptitle(f"restore at conversation scale ({cache} page cache)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def table(result: dict) -> str:
+    if result["bench"] == "restore_ttft_curve":
+        return curve_table(result)
     m, arms = result["model"], result["arms"]
-    rec = arms["recompute"]["ttft_median_s"]
+    rec = result["recompute"]["ttft_median_s"]
     lines = [f"model: {m['layers']}, hidden {m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']}/{m['num_kv_heads']} heads "
              f"of {m['head_dim']}, {m['dtype']}: {m['flops_per_token'] / 1e6:.0f} MFLOP/token "
              f"(+{m['attention_flops_per_token_at_prompt'] / 1e6:.0f} attention at this prompt), "
@@ -417,8 +539,25 @@ def table(result: dict) -> str:
                      f"{s['restore_overhead_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
                      f"{rec / s['ttft_median_s']:>13.2f}x{s['resident_fraction_range'][0]:>9.0%}-"
                      f"{s['resident_fraction_range'][1]:.0%}")
+    if "recompute" not in arms:
+        lines.append(f"recompute: {rec:.3f} s ({result['recompute']['source']})")
+    r = result["restore_rate"]
+    lines.append(f"sparkcache restore rate {r['gb_per_s']:.2f} GB/s ({r['restores']} restores, worker time), "
+                 f"raw read of the same files {r['raw_read']['gb_per_s']:.2f} GB/s")
     lines.append(f"ratios: {result['ratios']}")
     lines.append(f"outputs: {result['outputs']}; targets: {result['targets']}")
+    return "\n".join(lines)
+
+
+def curve_table(result: dict) -> str:
+    lines = [table(p) + "\n" for p in result["points"]]
+    lines.append(f"{'tokens':>8}{'MB':>8}{'recompute s':>13}{'sc added ms':>13}{'ex added ms':>13}"
+                 f"{'sc GB/s':>9}{'ex GB/s':>9}{'restore GB/s':>14}{'raw GB/s':>10}{'sc<=ex pairs':>14}")
+    for r in result["curve"]:
+        lines.append(f"{r['prompt_tokens']:>8}{r['restored_bytes_per_request'] / 1e6:>8.0f}{r['recompute_ttft_s']:>13.2f}"
+                     f"{r.get('sparkcache_load_added_s', 0) * 1e3:>13.1f}{r.get('example_load_added_s', 0) * 1e3:>13.1f}"
+                     f"{r.get('sparkcache_load_gb_per_s') or 0:>9.2f}{r.get('example_load_gb_per_s') or 0:>9.2f}"
+                     f"{r['restore_gb_per_s']:>14.2f}{r['raw_read_gb_per_s']:>10.2f}{str(r['pairs']):>14}")
     return "\n".join(lines)
 
 
@@ -426,7 +565,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.restore_ttft", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--out", type=Path, default=REPO / "bench-out" / "restore_ttft.json")
-    a("--prompt-tokens", type=int, default=2100)
+    a("--prompt-tokens", type=_sizes, default=[2100], help="prompt size in tokens, or several, comma-separated "
+      "(e.g. 2048,8192,32768,65536): one point each, and the curve (JSON and a PNG beside it)")
+    a("--recompute-max-tokens", type=int, default=8192, help="sizes above this get no timed recompute life: "
+      "their recompute TTFT is the sparkcache storing life's (a fresh engine computing the prompt); default 8192")
+    a("--life-timeout", type=int, default=3600, help="seconds one engine life may take (default 3600)")
     a("--reps", type=int, default=3, help="timed fresh restarts per arm (median reported)")
     a("--prompts", type=int, default=4, help="distinct prompts, each restored once per timed life")
     a("--recompute-reps", type=int, default=1, help="rounds that include a timed life of the recompute arm "
@@ -447,22 +590,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts, comma-separated (e.g. 2048,8192)")
+    if not sizes or sizes[0] < 64:
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be at least 64 tokens")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.engine_life:
-        result = _engine_life(json.loads(args.engine_life))
+        result = _engine_life(load_cfg(args.engine_life))
         print(RESULT_MARKER + json.dumps(result), flush=True)
         os._exit(0)  # do not wait for the engine's stray threads
-    if args.prompt_tokens < 64 or args.reps < 1 or args.prompts < 1 or not 1 <= args.recompute_reps <= args.reps:
-        raise SystemExit(f"--prompt-tokens {args.prompt_tokens} / --reps {args.reps} / --prompts {args.prompts} / "
-                         f"--recompute-reps {args.recompute_reps}: need >= 64, >= 1, >= 1 and 1..--reps")
+    if args.reps < 1 or args.prompts < 1 or not 1 <= args.recompute_reps <= args.reps:
+        raise SystemExit(f"--reps {args.reps} / --prompts {args.prompts} / --recompute-reps {args.recompute_reps}: "
+                         "need >= 1, >= 1 and 1..--reps")
     result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(table(result))
     print(f"wrote {args.out}")
-    checks = result["outputs"]
-    if not (checks["each_arm_consistent"] and checks.get("restore_arms_identical", True)):
+    if result["bench"] == "restore_ttft_curve":
+        png = plot(result, args.out.with_suffix(".png"))
+        print(f"wrote {png}" if png else "matplotlib not installed: no PNG")
+    points = result.get("points", [result])
+    if not all(p["outputs"]["each_arm_consistent"] and p["outputs"].get("restore_arms_identical", True)
+               for p in points):
         print("FAIL: greedy outputs of a prompt differ between the lives of one arm or between the two restore arms",
               file=sys.stderr)
         return 1

@@ -12,7 +12,8 @@ Two presets:
   92M parameters, about 182 MFLOP per token (2 per weight) against 8 KiB of KV per token
   (1 KiB per layer), ~22K FLOP per KV byte (26K with attention at a 2,100-token prompt);
   real 1-8B models sit at ~75-120K, so restores win there by more; the tiny model is at
-  ~0.9K. Used by ``bench/restore_ttft.py`` (which records these figures in its JSON).
+  ~0.9K. Positions up to 131,072 (RoPE: no weights), for restores of 64K-token prompts.
+  Used by ``bench/restore_ttft.py`` (which records these figures in its JSON).
 
 Hybrid models (``HybridSpec``, ``make_tiny_hybrid``): Mamba2 plus attention, NemotronH or
 GraniteMoeHybrid, with transformers' own initialisation (and a long-memory variant whose
@@ -68,7 +69,8 @@ class TinyModelSpec:
 
 TINY = TinyModelSpec()
 BENCH = TinyModelSpec(hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
-                      num_kv_heads=4, head_dim=64, vocab_size=1024, dtype="bfloat16")
+                      num_kv_heads=4, head_dim=64, vocab_size=1024, dtype="bfloat16",
+                      max_position_embeddings=131072)  # RoPE: positions cost no weights
 
 _WORDS = ("the cache store page block token prefix restore recompute model layer head value key "
           "query attention scheduler request engine turn agent conversation tool result image "

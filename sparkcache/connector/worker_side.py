@@ -171,37 +171,14 @@ class WorkerSide:
     def _load(self, plan: Any) -> tuple[int, int] | None:
         """Read, verify and place; returns the (page, state) bytes placed, or None when the
         restore is refused (then nothing was placed)."""
-        import torch
-
         if not self._usable():
             return None
-        end = len(plan.keys)
-        start = plan.start_block
         stored = self._stored_pages(plan)
         if stored is None:
             return None
-        per_block = [self._block_bytes(n) for _, n in self._page_layers()]
-        state_layers = self._state_layers()
-        state_bytes = sum(self._block_bytes(n) for _, n in state_layers)
-        if self.layout.has_state and (stored.state is None or stored.block_count != end
-                                      or stored.state.size != state_bytes):
-            logger.warning("sparkcache: restore of %s refused: the entry holds no recurrent "
-                           "state of %d bytes after block %d (it ends at block %d)", plan.req_id,
-                           state_bytes, end, stored.block_count)
+        spans = self._page_spans(plan, stored)
+        if spans is None:
             return None
-        # Check every page's recorded size against the layout before reading (a manifest that
-        # records a huge page is refused without mapping or hashing it) and placing any byte.
-        spans = []
-        bpp = stored.blocks_per_page  # the entry's, whatever page_blocks is set to now
-        for k, ref in enumerate(stored.pages):
-            p = stored.first_page + k
-            page_first = p * bpp
-            nblk = min((p + 1) * bpp, stored.block_count) - page_first
-            if ref.size != nblk * sum(per_block):
-                logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
-                               "expects %d", plan.req_id, p, ref.size, nblk * sum(per_block))
-                return None
-            spans.append((page_first, nblk))
         wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
         try:
             pages = self.store.objects.read_many_verified(wanted, mapped=True,
@@ -213,10 +190,47 @@ class WorkerSide:
             self._quarantine(exc, stored)
             return None
         state = pages.pop() if self.layout.has_state else None
-        spans = [(page, *span) for page, span in zip(pages, spans)]
+        placed = self._place_pages(plan, list(zip(pages, spans)))
+        if state is not None:
+            self._place_state(plan, state)
+        return placed, len(state) if state is not None else 0
+
+    def _page_spans(self, plan: Any, stored: StoredPages) -> list[tuple[int, int]] | None:
+        """``(first block, blocks)`` of each stored page, once every page's recorded size
+        (and the state's) matches the layout: a manifest that records a huge page is refused
+        without mapping or hashing it, before any byte is placed. None: refused."""
+        end = len(plan.keys)
+        per_block = sum(self._block_bytes(n) for _, n in self._page_layers())
+        state_bytes = sum(self._block_bytes(n) for _, n in self._state_layers())
+        if self.layout.has_state and (stored.state is None or stored.block_count != end
+                                      or stored.state.size != state_bytes):
+            logger.warning("sparkcache: restore of %s refused: the entry holds no recurrent "
+                           "state of %d bytes after block %d (it ends at block %d)", plan.req_id,
+                           state_bytes, end, stored.block_count)
+            return None
+        spans = []
+        bpp = stored.blocks_per_page  # the entry's, whatever page_blocks is set to now
+        for k, ref in enumerate(stored.pages):
+            p = stored.first_page + k
+            page_first = p * bpp
+            nblk = min((p + 1) * bpp, stored.block_count) - page_first
+            if ref.size != nblk * per_block:
+                logger.warning("sparkcache: restore of %s refused: page %d holds %d bytes, layout "
+                               "expects %d", plan.req_id, p, ref.size, nblk * per_block)
+                return None
+            spans.append((page_first, nblk))
+        return spans
+
+    def _place_pages(self, plan: Any, pages: list[tuple[Any, tuple[int, int]]]) -> int:
+        """Copy verified pages (each with its ``(first block, blocks)``) into the plan's
+        destination blocks [start_block, end); returns the bytes placed."""
+        import torch
+
+        start, end = plan.start_block, len(plan.keys)
+        placed = 0
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for page, page_first, nblk in spans:
+            warnings.simplefilter("ignore")  # frombuffer of a read-only mapping
+            for page, (page_first, nblk) in pages:
                 lo, hi = max(start, page_first), min(end, page_first + nblk)
                 if lo >= hi:
                     continue
@@ -234,19 +248,24 @@ class WorkerSide:
                         # assignment of uint8 rows is element-wise and ~50x slower on CPU).
                         for i, first_id, n in runs:
                             dst[first_id:first_id + n].copy_(layer_src[i:i + n])
-            if state is not None:
-                # The state after block ``end`` goes where vLLM reads it: column end - 1.
-                src_all = torch.frombuffer(state, dtype=torch.uint8)
-                offset = 0
-                for k, name in state_layers:
-                    dst = self.kv[name]
-                    bb = dst[0].numel()
-                    dst[plan.block_ids[self.layout.state_groups[k]][-1]].copy_(
-                        src_all[offset:offset + bb].view(dst.shape[1:]))
-                    offset += bb
-        placed_pages = sum(hi - lo for lo, hi in ((max(start, f), min(end, f + n)) for _, f, n in spans)
-                           if hi > lo) * sum(per_block)
-        return placed_pages, len(state) if state is not None else 0
+                        placed += (hi - lo) * bb
+        return placed
+
+    def _place_state(self, plan: Any, state: Any) -> None:
+        """The recurrent state after block ``end`` goes where vLLM reads it: column end - 1
+        of each recurrent group."""
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            src_all = torch.frombuffer(state, dtype=torch.uint8)
+            offset = 0
+            for k, name in self._state_layers():
+                dst = self.kv[name]
+                bb = dst[0].numel()
+                dst[plan.block_ids[self.layout.state_groups[k]][-1]].copy_(
+                    src_all[offset:offset + bb].view(dst.shape[1:]))
+                offset += bb
 
     def _quarantine(self, exc: ObjectError, stored: StoredPages) -> None:
         """A writing worker removes an object found corrupt, so the next capture of that
