@@ -318,11 +318,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     else:
         spec, shape, arm_names = (TINY if args.model == "tiny" else BENCH), LLAMA_SHAPE, ARMS
         model, figures = make_tiny_model(spec), model_figures
-    max_model_len = max(4096, prompt_tokens + 64)
-    if max_model_len > spec.max_position_embeddings:
-        raise SystemExit(f"--prompt-tokens {prompt_tokens}: the {args.model} model takes at most "
-                         f"{spec.max_position_embeddings - 64} (its max_position_embeddings, "
-                         f"{spec.max_position_embeddings}, less 64 for the output); pick a smaller size")
+    max_model_len = max(4096, prompt_tokens + 64)  # sizes checked against the model in main
     fig = figures(model, spec, prompt_tokens)
     # the KV of one prompt, twice over (the restored copy and vLLM's own blocks), at least
     # --kv-cache-gib: the repeat must find the prompt still in the engine's prefix cache
@@ -590,6 +586,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _max_prompt_tokens(model: str) -> int:
+    from sparkcache.tinymodel import BENCH, BENCH_HYBRID, TINY
+
+    return {"bench": BENCH, "tiny": TINY, "hybrid": BENCH_HYBRID}[model].max_position_embeddings - 64
+
+
 def _sizes(text: str) -> list[int]:
     try:
         sizes = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -609,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1 or args.prompts < 1 or not 1 <= args.recompute_reps <= args.reps:
         raise SystemExit(f"--reps {args.reps} / --prompts {args.prompts} / --recompute-reps {args.recompute_reps}: "
                          "need >= 1, >= 1 and 1..--reps")
+    limit = _max_prompt_tokens(args.model)
+    if max(args.prompt_tokens) > limit:  # before any size runs: a curve takes hours
+        raise SystemExit(f"--prompt-tokens {max(args.prompt_tokens)}: the {args.model} model takes at most "
+                         f"{limit} (its max_position_embeddings less 64 for the output); pick smaller sizes")
     result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

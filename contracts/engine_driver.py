@@ -22,11 +22,11 @@ loopback: ``GLOO_SOCKET_IFNAME=lo``, ``VLLM_HOST_IP=127.0.0.1``); ``"chain": tru
 previous prompt, its output and then its own ids; ``"check_units": {"root": R, "ranks": N}``
 (or ``"roots": [R0, R1, ...]``, one per rank; optional ``"namespace"``) checks after every
 request that the stores hold no entry with only some of the N tensor-parallel ranks' shards,
-once its publications settled (quiet for 2 s; the deadline, ``"deadline_s"``, default 300 s,
+once its publications settled (quiet for 2 s; the deadline, ``"deadline_s"``, default 120 s,
 only guards against a hang: on a disk that other writers keep busy a publication's three sync
-rounds alone took over 30 s); per result: ``incomplete_units``,
+rounds alone took over 30 s; keep requests x deadline under the life's timeout); per result: ``incomplete_units``,
 ``units_quiet`` (false: the deadline passed first; then ``units_changes`` says what kept
-moving) and ``units_settle_s``.
+moving and what was there at the deadline) and ``units_settle_s``.
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
@@ -125,7 +125,7 @@ def _settled_units(check: dict, quiet_s: float = 2.0) -> dict:
     from sparkcache.store import PageStore, incomplete_units
 
     roots = check.get("roots") or [check["root"]]
-    deadline_s = float(check.get("deadline_s", 300.0))
+    deadline_s = float(check.get("deadline_s", 120.0))
     t = time.monotonic()
     seen, since = None, t
     changes: list[str] = []  # what moved, for a store that does not get quiet
@@ -141,9 +141,10 @@ def _settled_units(check: dict, quiet_s: float = 2.0) -> dict:
         if quiet or time.monotonic() - t > deadline_s:
             entries = [e for st in stores for e in st.index.entries.values()]
             bad = incomplete_units(entries, int(check["ranks"]))
+            still = [f"root {i}: {len(e)} entries, staging {sorted(st)}" for i, (e, st) in enumerate(now)]
             return {"incomplete_units": [[u.block_count, list(u.ranks)] for u in bad],
                     "units_quiet": quiet, "units_settle_s": time.monotonic() - t,
-                    "units_changes": [] if quiet else changes[-20:]}
+                    "units_changes": [] if quiet else changes[-20:] + ["at the deadline: " + "; ".join(still)]}
         time.sleep(0.1)
 
 
@@ -198,9 +199,11 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
     for line in stdout.splitlines():
         if line.startswith(RESULT_MARKER):
             result = json.loads(line[len(RESULT_MARKER):])
-            result["log"] = stdout[-20000:] + stderr[-20000:]
+            # the log without the result line (a 32K-token prompt's ids alone fill 130 KB)
+            logged = "\n".join(x for x in stdout.splitlines() if not x.startswith(RESULT_MARKER))
+            result["log"] = logged[-20000:] + stderr[-20000:]
             return result
-    raise RuntimeError(f"engine life `python -m {' '.join(command)} '<cfg>'` failed (rc={p.returncode}, "
+    raise RuntimeError(f"engine life `python -m {' '.join(command)} @CFG_FILE` failed (rc={p.returncode}, "
                        f"timeout {timeout} s); its output ends:\n{stdout[-4000:]}\n{stderr[-8000:]}")
 
 

@@ -170,5 +170,5 @@ def test_a_flipped_byte_in_a_32k_token_entry_is_refused_and_recomputed(long_runs
     rec = record(corrupt)
     assert (rec["external_tokens"], rec["failed_restores"], rec["recomputed_tokens"]) == (0, 1, len(LONG_PROMPT))
     assert corrupt["results"][0]["tokens"] == reference
-    assert "refused" in corrupt["log"] and "corrupt" in corrupt["log"]
+    assert "refused, nothing placed" in corrupt["log"] and "corrupt" in corrupt["log"]
     assert metric(corrupt, "vllm:sparkcache_quarantined_objects") == 1

@@ -186,7 +186,8 @@ def small_store_lives(tiny_model, tmp_path_factory):
            "extra": {"root": str(root), "min_span_tokens": 64, "max_bytes": "4MiB",
                      "low_watermark_bytes": "2MiB"},
            "check_units": {"root": str(root), "ranks": 2}}
-    return [run_engine(cfg, timeout=600, env=_tp_env()),
+    # six requests, each allowed check_units' 120 s to settle, inside the life's timeout
+    return [run_engine(cfg, timeout=1200, env=_tp_env()),
             run_engine({**cfg, "prompts": [SMALL[-1], SMALL[0]]}, timeout=600, env=_tp_env())]
 
 
