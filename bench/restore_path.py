@@ -28,11 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.restore_ttft import _median, _sizes
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 32
@@ -63,10 +64,6 @@ def _worker(root: str, num_blocks: int):
     torch.manual_seed(0)
     worker.register_kv_caches({n: torch.randn(shape).to(torch.bfloat16) for n in layers})
     return worker
-
-
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
 
 
 def point(tokens: int, reps: int, cold: bool, work: Path) -> dict:
@@ -128,19 +125,15 @@ def point(tokens: int, reps: int, cold: bool, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.restore_path", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "restore_path.json")
-    p.add_argument("--prompt-tokens", default="2048,8192,32768,65536",
+    p.add_argument("--prompt-tokens", type=_sizes, default=[2048, 8192, 32768, 65536],
                    help="sizes in tokens, comma-separated (default 2048,8192,32768,65536)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per size (medians reported)")
     p.add_argument("--cold", action="store_true", help="evict the stored objects before each timed read")
     p.add_argument("--work-dir", default=None, help="where the stores live (default: the system temp dir)")
     args = p.parse_args(argv)
-    try:
-        sizes = sorted({int(x) for x in args.prompt_tokens.split(",") if x.strip()})
-    except ValueError:
-        raise SystemExit(f"--prompt-tokens {args.prompt_tokens!r}: give token counts, comma-separated")
-    if not sizes or sizes[0] < BLOCK or args.reps < 1:
-        raise SystemExit(f"--prompt-tokens {args.prompt_tokens!r} / --reps {args.reps}: sizes of at least "
-                         f"{BLOCK} tokens and at least one rep")
+    if args.reps < 1:
+        raise SystemExit(f"--reps {args.reps}: at least one rep")
+    sizes = args.prompt_tokens
     import shutil
 
     work = Path(tempfile.mkdtemp(prefix="restore_path-", dir=args.work_dir))
