@@ -29,8 +29,9 @@ Per request it keeps one ``_ReqState``. The flow:
   block is still the request's. Offers look up entries with a state at exactly their depth
   (``with_state``), and a load places pages to depth N and the state at N, or nothing.
 - ``has_pending_push_work``: true while a planned capture is not yet settled by every
-  worker (published, failed or skipped: reported in the worker meta) or counters are
-  waiting to be taken. vLLM then keeps stepping an otherwise idle engine, and each step
+  worker (published, failed or skipped: reported in the worker meta), a lone shard found
+  at a settlement awaits its removal (``_remove_shards``), or counters are waiting to be
+  taken. vLLM then keeps stepping an otherwise idle engine, and each step
   carries our stats to ``/metrics``; without it the numbers of the last request (the
   publication finishing after its last step, or attribution counted on an abort outside
   a step) would stay in the processes until the next request.
@@ -61,6 +62,7 @@ CAPTURING_MODES = ("read-write", "store-only")
 # ranks (a publication takes well under it); ``reconcile_units`` leaves it alone.
 UNIT_GRACE_S = 10.0
 UNIT_RECONCILE_S = 60.0  # how often the scheduler looks for shards without their siblings
+LONE_RETRY_S = 0.05  # how often a lone shard's removal that found the store's lock held is retried
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,9 @@ class SchedulerSide:
         self._shard_digests = tuple(i.digest() for i in identities)
         self.capture_ends: dict[str, list[str]] = {}  # req_id -> last keys of its unsettled captures
         self._next_reconcile = 0.0
+        # (rank, entry id) -> until when: lone shards whose removal found the store's lock held
+        self.lone_pending: dict[tuple[int, str], float] = {}
+        self._next_lone_retry = 0.0
         self._capture_sent: dict[str, float] = {}  # req_id -> when its last capture was planned
         self.samples = Samples()                    # capture waits, for the histogram
         self.block_size = block_size
@@ -317,6 +322,9 @@ class SchedulerSide:
             if now >= self._next_reconcile:  # O(entries): once a minute, never per step
                 self._next_reconcile = now + UNIT_RECONCILE_S
                 self.reconcile_units()
+            if self.lone_pending and now >= self._next_lone_retry:
+                self._next_lone_retry = now + LONE_RETRY_S
+                self._remove_shards(list(self.lone_pending))
         if self.hybrid:
             self._plan_state_captures(getattr(scheduler_output, "kv_connector_block_state", None))
         for new in scheduler_output.scheduled_new_reqs:
@@ -498,13 +506,22 @@ class SchedulerSide:
             self._remove_shards(lone)
 
     def _remove_shards(self, shards: list[tuple[int, str]]) -> None:
-        """Remove (rank, entry id) shards, one batch per store; what a store cannot remove
-        now (its collector holds the lock, a reader pins it) the next reconciliation finds."""
-        by_store: dict[Any, list[str]] = {}
-        for rank, entry_id in shards:
-            by_store.setdefault(self.stores[rank], []).append(entry_id)
-        for store, ids in by_store.items():
-            self.counters.add("lone_shards_removed", len(store.discard(ids)))
+        """Remove (rank, entry id) shards, one batch per store. What a store cannot remove now
+        (maintenance holds its lock, a reader pins it) is retried every ``LONE_RETRY_S``
+        while ``has_pending_push_work`` keeps vLLM stepping, for up to ``UNIT_GRACE_S``;
+        after that the next reconciliation finds it."""
+        by_store: dict[Any, list[tuple[int, str]]] = {}
+        for shard in shards:
+            by_store.setdefault(self.stores[shard[0]], []).append(shard)
+        until = time.monotonic() + UNIT_GRACE_S
+        for store, batch in by_store.items():
+            removed = set(store.discard([entry_id for _, entry_id in batch]))
+            self.counters.add("lone_shards_removed", len(removed))
+            for shard in batch:
+                if shard[1] in removed or store.entry(shard[1]) is None:
+                    self.lone_pending.pop(shard, None)
+                else:
+                    self.lone_pending.setdefault(shard, until)
 
     def _count_restore(self, ok: bool, tokens: int) -> None:
         """One request's restore, counted once: vLLM reports it (the union of every rank's
@@ -567,10 +584,17 @@ class SchedulerSide:
     def has_pending_block_frees(self) -> bool:
         return bool(self.awaiting_send or self.awaiting_recv_free)
 
-    def has_pending_push_work(self) -> bool:
-        """Keep vLLM stepping until every planned capture settled and counters were taken."""
+    def has_pending_push_work(self, now: float | None = None) -> bool:
+        """Keep vLLM stepping until every planned capture settled, every lone shard found at
+        the settlement is removed (or its retries ended) and counters were taken."""
+        now = time.monotonic() if now is None else now
+        for shard, until in list(self.lone_pending.items()):
+            if now > until:  # a lock that is never let go must not keep the engine busy forever
+                logger.warning("sparkcache: could not remove rank %d's shard %s for %.0f s (the "
+                               "store's lock held, or a reader pins it); the next reconciliation "
+                               "will", shard[0], shard[1], UNIT_GRACE_S)
+                del self.lone_pending[shard]
         if self.unsettled:
-            now = time.monotonic()
             for req_id, (_, deadline) in list(self.unsettled.items()):
                 if now > deadline:  # a lost report must not keep the engine busy forever
                     logger.warning("sparkcache: no publication report for %s after %.0f s; "
@@ -578,7 +602,7 @@ class SchedulerSide:
                     del self.unsettled[req_id]
                     self.capture_ends.pop(req_id, None)
                     self._capture_sent.pop(req_id, None)
-        return bool(self.unsettled or self.counters.data)
+        return bool(self.unsettled or self.counters.data or self.lone_pending)
 
     def take_counters(self) -> dict:
         data, self.counters.data = self.counters.data, {}

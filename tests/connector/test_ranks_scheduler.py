@@ -162,10 +162,14 @@ def test_an_entry_one_rank_failed_to_publish_is_removed_once_every_rank_settled(
     assert stats[0]["counters"].get("lone_shards_removed", 0) == (0 if whole else 1)
 
 
-def test_a_shard_the_store_cannot_remove_now_is_found_by_the_next_reconciliation(tmp_path):
+def test_a_shard_the_store_cannot_remove_now_keeps_the_engine_stepping_until_it_is_removed(tmp_path):
+    """The settle check finds a lone shard while maintenance holds the store's lock (its pass
+    runs right after the publication that filled the store): the removal is retried in the
+    next steps, and vLLM keeps stepping an idle engine until it is done, so a lone shard does
+    not outlive its request's settlement by more than the lock's hold."""
     import time
 
-    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
+    from sparkcache.connector.scheduler_side import LONE_RETRY_S
     from sparkcache.store.locks import exclusive_lock
 
     s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
@@ -175,6 +179,36 @@ def test_a_shard_the_store_cannot_remove_now_is_found_by_the_next_reconciliation
     assert side.store.publish(side.identities[0], plan.keys, pages).ok
     with exclusive_lock(side.store.layout, timeout_s=1.0):  # maintenance holds the store's lock
         step(s, settled=[plan.req_id, plan.req_id])
+        assert _stored(s) == [(0, len(plan.keys))]
+        assert s.connector.has_pending_push_work()     # an idle engine keeps stepping
+        time.sleep(LONE_RETRY_S)
+        step(s)
+        assert _stored(s) == [(0, len(plan.keys))]
+    time.sleep(LONE_RETRY_S)
+    step(s)                                          # the lock is free: removed
+    assert _stored(s) == []
+    step(s)                                          # its counter taken
+    assert not s.connector.has_pending_push_work()
+
+
+def test_a_shard_still_locked_when_its_retries_end_is_found_by_the_next_reconciliation(tmp_path):
+    """A lock held longer than the retries (a stopped process) does not keep the engine busy
+    forever: the retries end after the grace, and the periodic reconciliation removes it."""
+    import time
+
+    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
+    from sparkcache.store.locks import exclusive_lock
+
+    s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
+    side = s.connector._sched
+    (plan,) = _finish_capturing(s, _prompt(200, 12))
+    pages = [b"p" * 64] * (-(-len(plan.keys) // side.bpp))
+    assert side.store.publish(side.identities[0], plan.keys, pages).ok
+    with exclusive_lock(side.store.layout, timeout_s=1.0):
+        step(s, settled=[plan.req_id, plan.req_id])
+        assert side.has_pending_push_work()
+        side.take_counters()
+        assert not side.has_pending_push_work(now=time.monotonic() + UNIT_GRACE_S + 1)
         assert _stored(s) == [(0, len(plan.keys))]
     side.reconcile_units(now=time.time() + UNIT_GRACE_S)
     assert _stored(s) == []
