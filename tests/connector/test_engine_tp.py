@@ -30,13 +30,20 @@ import pytest
 from sparkcache.connector.keys import BlockKeys
 from sparkcache.store import Identity, PageStore
 
-from .conftest import long_prompt, metric, run_engine
+from .conftest import long_prompt, metric
+from .conftest import run_engine as _run_engine
 
 BLOCK = 32
 PROMPTS = [long_prompt(2100, seed=21), long_prompt(2100, seed=22)]
 REUSABLE = (2100 - 1) // BLOCK * BLOCK  # 2,080
 MAX_TOKENS = 16
 CAPTURED_BLOCKS = (2100 + MAX_TOKENS - 1) // BLOCK  # a finished request's computed tokens: 66 blocks
+
+
+def run_engine(cfg: dict, **kwargs) -> dict:
+    """An engine life in vLLM's own processes (one engine core, a worker per rank) and busy
+    loop, which keeps the idle engine stepping until every rank's capture settled."""
+    return _run_engine({"in_process": False, **cfg}, **kwargs)
 
 
 def _tp_env(ranks: int = 2) -> dict[str, str]:
