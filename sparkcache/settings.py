@@ -212,6 +212,8 @@ _GiB = 1 << 30
 _MiB = 1 << 20
 RANK_PLACEHOLDER = "{rank}"
 
+LOW_WATERMARK_SHARE = 80  # percent of MAX_BYTES where eviction stops, unless set
+
 SETTINGS_TABLE: tuple[SettingRow, ...] = (
     SettingRow("ENABLED", "bool", True, "Switch the store on or off as a whole."),
     SettingRow("ROOT", "path", "", "Rank-local cache directory (required when enabled). "
@@ -226,7 +228,8 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "down to LOW_WATERMARK_BYTES and new publications are refused.", minimum=_MiB,
                maximum=1 << 50),
     SettingRow("LOW_WATERMARK_BYTES", "bytes", 32 * _GiB, "Eviction stops at this level; "
-               "must be <= MAX_BYTES (see docs/SIZING.md).", minimum=0, maximum=1 << 50),
+               "must be <= MAX_BYTES; unset, 80% of MAX_BYTES (see docs/SIZING.md).",
+               minimum=0, maximum=1 << 50),
     SettingRow("MIN_FREE_BYTES", "bytes", 0, "Free-space floor of the filesystem under ROOT, "
                "whatever else fills it: below it publications are refused (low_free_space) "
                "and maintenance evicts until it is met again; 0 disables (see docs/SIZING.md).",
@@ -355,6 +358,7 @@ def load_settings(env: Mapping[str, str] | None = None,
     extra = dict(extra_config or {})
     _reject_unknown(extra, env)
     values: dict[str, Any] = {}
+    unset = set()
     for row in SETTINGS_TABLE:
         if row.key in extra:
             values[row.field] = row.parse(extra[row.key], "kv_connector_extra_config")
@@ -362,6 +366,9 @@ def load_settings(env: Mapping[str, str] | None = None,
             values[row.field] = row.parse(env[row.env_var], "env")
         else:
             values[row.field] = row.default
+            unset.add(row.field)
+    if "low_watermark_bytes" in unset:  # follows MAX_BYTES: a cap alone is a valid setting
+        values["low_watermark_bytes"] = values["max_bytes"] * LOW_WATERMARK_SHARE // 100
     settings = Settings(**values)
     _check_combinations(settings, require_root)
     return settings

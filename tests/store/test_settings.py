@@ -70,6 +70,16 @@ def test_low_watermark_above_max_is_an_error():
     assert "LOW_WATERMARK_BYTES <= MAX_BYTES" in msg
 
 
+def test_a_cap_alone_sets_the_low_watermark_to_80_percent_of_it():
+    """MAX_BYTES without LOW_WATERMARK_BYTES is a valid setting (the default watermark,
+    32 GiB, would exceed a smaller cap); a watermark that is set is kept as set."""
+    for extra, env in (({"max_bytes": "160MiB"}, ROOT), ({}, dict(ROOT, SPARKCACHE_MAX_BYTES="10GiB"))):
+        s = load_settings(env=env, extra_config=extra)
+        assert s.low_watermark_bytes == s.max_bytes * 4 // 5, (extra, env)
+    s = load_settings(env=dict(ROOT, SPARKCACHE_LOW_WATERMARK_BYTES="1GiB"), extra_config={"max_bytes": "2GiB"})
+    assert (s.max_bytes, s.low_watermark_bytes) == (2 << 30, 1 << 30)
+
+
 def test_misspelled_extra_config_key_is_an_error():
     with pytest.raises(SettingsError) as err:
         load_settings(env=ROOT, extra_config={"max_byte": "1GiB"})
