@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from sparkcache.store import cpus
+
 logger = logging.getLogger("sparkcache.capture")
 
 
@@ -87,6 +89,7 @@ class CaptureSlots:
             self._metrics.publication_done(ticket)
 
     def _run(self) -> None:
+        cpus.run_as_publisher()  # background work: off the model's cores, at a lower priority
         while True:
             item = self._queue.get()
             if item is None:

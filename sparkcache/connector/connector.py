@@ -8,11 +8,12 @@ transformed scheduler reads them too (``sparkcache.settings.transform_option``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
@@ -181,6 +182,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = int(vllm_config.cache_config.block_size)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._step_s = 0.0  # this engine step's time in our hooks (``_in_step``), restores aside
         declared = self.settings.weights_fingerprint
         if role == KVConnectorRole.SCHEDULER:
             identity, layout = make_identity(vllm_config, kv_cache_config, 0,
@@ -210,17 +212,36 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ============================================================ scheduler side
 
+    @contextlib.contextmanager
+    def _in_step(self) -> Iterator[None]:
+        """Count the time of a hook that runs on vLLM's scheduler or model thread into this
+        engine step's (``scheduler_step_seconds`` / ``worker_step_seconds``)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._step_s += time.perf_counter() - started
+
+    def _end_step(self, samples: Any, name: str) -> None:
+        samples.add(name, self._step_s)
+        self._step_s = 0.0
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._in_step():
+            return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._sched is not None
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._in_step():
+            self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
-        loads, captures = self._sched.build_meta(scheduler_output)
+        with self._in_step():
+            loads, captures = self._sched.build_meta(scheduler_output)
+        # the last scheduler hook of schedule(): a step is from one call to the next
+        self._end_step(self._sched.samples, "scheduler_step_seconds")
         return SparkcacheConnectorMetadata(loads, captures)
 
     def on_new_request(self, request: Any) -> None:
@@ -229,15 +250,18 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None:
-            self._sched.update_connector_output(connector_output)
+            with self._in_step():
+                self._sched.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         assert self._sched is not None
-        return self._sched.request_finished(request, (list(block_ids),))
+        with self._in_step():
+            return self._sched.request_finished(request, (list(block_ids),))
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         assert self._sched is not None
-        return self._sched.request_finished(request, tuple(list(b) for b in block_ids))
+        with self._in_step():
+            return self._sched.request_finished(request, tuple(list(b) for b in block_ids))
 
     def reset_cache(self) -> bool:
         """vLLM resets the connector's cache after updating weights in place: from then on
@@ -271,9 +295,10 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, SparkcacheConnectorMetadata)
-        for plan in meta.captures:
-            self._worker.capture(plan)
-        for plan in meta.loads:
+        with self._in_step():
+            for plan in meta.captures:
+                self._worker.capture(plan)
+        for plan in meta.loads:  # timed on their own (restore_seconds)
             self._worker.load(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -285,7 +310,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         # After the forward: a hybrid capture copies the state this step wrote.
         if self._worker is not None:
-            self._worker.capture_after_forward()
+            with self._in_step():
+                self._worker.capture_after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
@@ -294,7 +320,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        sending, recving, failed = self._worker.take_results()
+        with self._in_step():
+            sending, recving, failed = self._worker.take_results()
         return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -303,6 +330,10 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_invalid_block_ids() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> SparkcacheStats | None:
+        with self._in_step():
+            return self._take_stats()
+
+    def _take_stats(self) -> SparkcacheStats | None:
         stats = SparkcacheStats()
         if self._sched is not None:
             for k, v in self._sched.take_counters().items():
@@ -329,6 +360,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         settled = self._worker.take_settled()
         loaded, failed = self._worker.take_sync_outcomes()
+        self._end_step(self._worker.samples, "worker_step_seconds")  # a step's last worker hook
         return SparkcacheWorkerMetadata(settled, loaded, failed) if settled or loaded or failed else None
 
     @classmethod

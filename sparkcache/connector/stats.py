@@ -73,6 +73,10 @@ COUNTERS: dict[str, tuple[str, str | None, dict[str, str]]] = {
     "bytes_reclaimed": ("Bytes reclaimed by maintenance from evicted entries.", None,
                         {"bytes_reclaimed": ""}),
     "maintenance_passes": ("Maintenance passes run by the workers.", None, {"maintenance_passes": ""}),
+    "maintenance_passes_overrun": ("Maintenance passes longer than their time budget "
+                                   "(SPARKCACHE_MAINTENANCE_MAX_MS) plus 20%, the bound a pass "
+                                   "keeps: a slow disk, or the worker's cores taken.", None,
+                                   {"maintenance_overrun": ""}),
     "maintenance_passes_stopped": ("Maintenance passes that gave up: the store's lock stayed "
                                    "held past the wait bound (lock) or the filesystem failed "
                                    "(error).", "reason",
@@ -107,6 +111,7 @@ GAUGES: dict[str, tuple[str, str, bool]] = {
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
             120.0)
+_STEP_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _BYTES = tuple(float(1 << b) for b in range(16, 38, 2))  # 64 KiB .. 64 GiB, x4 apart
 # histogram name -> (help, buckets): samples are shipped as lists per stats interval
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
@@ -119,6 +124,12 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
     "capture_wait_seconds": ("From a request's last planned capture to every rank's report "
                              "that it settled (published, refused or skipped).", _SECONDS),
     "maintenance_pass_seconds": ("Wall time of one maintenance pass, lock wait included.", _SECONDS),
+    "scheduler_step_seconds": ("Time one engine step spent in the connector's scheduler hooks on "
+                               "vLLM's scheduler thread: lookups of waiting requests, load and "
+                               "capture plans, reports, stats.", _STEP_SECONDS),
+    "worker_step_seconds": ("Time one engine step spent in the connector's worker hooks on the "
+                            "model's thread, restores aside (they are restore_seconds): capture "
+                            "copies into slots, results and stats.", _STEP_SECONDS),
 }
 
 

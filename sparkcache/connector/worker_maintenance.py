@@ -46,6 +46,7 @@ class WorkerMaintenance:
             for key, n in (("evicted_entries", report.entries_evicted + report.entries_expired),
                            ("bytes_reclaimed", report.bytes_reclaimed),
                            ("maintenance_passes", 1),
+                           ("maintenance_overrun", report.overran),
                            (f"maintenance_stopped_{report.stopped_by}",
                             report.stopped_by in ("lock", "error"))):
                 if n:

@@ -34,6 +34,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from sparkcache.store import cpus
 from sparkcache.store.manifests import pages_needed
 from sparkcache.store.objects import CORRUPT, ObjectError
 
@@ -92,6 +93,10 @@ class WorkerSide:
         self.slots = None
         self.maintenance: WorkerMaintenance | None = None
         if store is not None and settings.access_mode in ("read-write", "store-only"):
+            # before the publisher and maintenance threads start: they move off these CPUs
+            model_cpus = cpus.note_model_cpus()
+            logger.info("sparkcache: the model's CPUs (this worker's pin) %s; publication and "
+                        "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
                                       self._publish, metrics)
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes

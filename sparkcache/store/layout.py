@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from . import cpus
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX40 = re.compile(r"[0-9a-f]{40}")
@@ -299,9 +301,13 @@ def _open_subdir(fd: int, name: str, path: str, create: bool) -> int:
 
 _POOLS: dict = {}
 # io: a cold object read waits on the disk 128 KiB of readahead at a time, so reads need
-# depth (bench.store_throughput, cold: 16 threads beat 8 and 32; docs/RESULTS.md).
-# maintenance: one unlink batch at once.
-_POOL_SIZES = {"io": 16, "maintenance": 16}
+# depth (bench.store_throughput, cold: 16 threads beat 8 and 32; docs/RESULTS.md); a
+# restore's reads run on every allowed CPU (the model waits for them).
+# publish: a publication's hashing and syncs; maintenance: one unlink batch at once. Both
+# are background work and keep off the model's CPUs (``cpus.run_off_model_cpus``).
+_POOL_SIZES = {"io": 16, "publish": 16, "maintenance": 16}
+_POOL_PLACEMENT = {"io": cpus.run_on_every_allowed_cpu, "publish": cpus.run_as_publisher,
+                   "maintenance": cpus.run_off_model_cpus}
 
 
 def _forget_pools_in_child() -> None:
@@ -312,24 +318,17 @@ def _forget_pools_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
-def _run_on_every_allowed_cpu() -> None:
-    """Pool thread initializer: run on any CPU the process's cpuset allows, not only the
-    cores the creating thread was pinned to. vLLM's CPU backend pins the whole worker to its
-    OpenMP cores, which put every read and hash of a restore on the core the model was
-    about to use while the others idled. The kernel intersects the mask with the cpuset."""
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (OSError, AttributeError):
-        pass  # no such call (non-Linux) or an empty intersection: the inherited mask stays
-
-
 def _executor(pool: str):
-    executor = _POOLS.get(pool)
-    if executor is None:
+    """The pool's executor; a new one when the model's CPUs were noted after its threads
+    were placed (the old one's threads finish their work and exit)."""
+    placed, executor = _POOLS.get(pool, (None, None))
+    if executor is None or placed != cpus.model_cpus():
         from concurrent.futures import ThreadPoolExecutor
-        executor = _POOLS[pool] = ThreadPoolExecutor(max_workers=_POOL_SIZES[pool],
-                                                     thread_name_prefix=f"sparkcache-{pool}",
-                                                     initializer=_run_on_every_allowed_cpu)
+        if executor is not None:
+            executor.shutdown(wait=False)
+        executor = ThreadPoolExecutor(max_workers=_POOL_SIZES[pool], thread_name_prefix=f"sparkcache-{pool}",
+                                      initializer=_POOL_PLACEMENT[pool])
+        _POOLS[pool] = (cpus.model_cpus(), executor)
     return executor
 
 
@@ -342,8 +341,9 @@ def parallel_imap(fn, items: list, pool: str = "io"):
 def parallel_map(fn, items: list, pool: str = "io") -> list:
     """``[fn(x) for x in items]``, on a small thread pool when there are several items.
     For work that releases the GIL: fsync, reads, unlinks, hashing large buffers.
-    ``pool`` names the pool ("io" for publication and reads, "maintenance" for passes), so
-    a maintenance pass never queues behind a publication's hashing."""
+    ``pool`` names the pool ("io" for reads, "publish" for publication, "maintenance" for
+    passes), so a restore never queues behind a publication's hashing, nor a maintenance
+    pass."""
     if len(items) <= 1:
         return [fn(x) for x in items]
     return list(_executor(pool).map(fn, items))

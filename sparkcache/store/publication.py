@@ -52,7 +52,7 @@ class PublicationWriter:
         self._declare_reused(list(reused.values()))
         given = [p for p in pages if p is not None]
         big = sum(map(len, given)) > _PARALLEL_HASH_BYTES
-        digests: Iterator[str] = parallel_imap(digest_of, given) if big else map(digest_of, given)
+        digests: Iterator[str] = parallel_imap(digest_of, given, "publish") if big else map(digest_of, given)
         refs: list[PageRef] = []
         seen: set[str] = set()
         for i, page in enumerate(pages):
@@ -124,7 +124,7 @@ class PublicationWriter:
         items, self._open = self._open, []
         self._in_flight.clear()
         try:
-            sync_all(lambda item: os.fdatasync(item[0]), items)
+            sync_all(lambda item: os.fdatasync(item[0]), items, "publish")
         finally:
             for fd, _, _ in items:
                 os.close(fd)
@@ -132,7 +132,7 @@ class PublicationWriter:
         objects = [(digest, tmp) for _, digest, tmp in items if digest]
         dirs = set(extra_dirs) | self.store.objects.place(objects)
         self.written_digests.update(digest for digest, _ in objects)
-        sync_all(self.store.layout.fsync_dir, sorted(dirs))
+        sync_all(self.store.layout.fsync_dir, sorted(dirs), "publish")
 
 
 __all__ = ["BaseObjectGone", "PublicationWriter"]

@@ -262,6 +262,10 @@ def test_metrics_on_the_idle_server_match_the_records_and_the_store(chat):
     assert _value(m, "vllm:sparkcache_publication_seconds_count") == published + failed
     assert _value(m, "vllm:sparkcache_publication_bytes_count") == published
     assert _value(m, "vllm:sparkcache_restore_seconds_count") == 0  # one life: nothing restored
+    # what the connector adds to a step, one sample per engine step on each side: a turn
+    # takes at least a step per output token
+    for side in ("worker", "scheduler"):
+        assert _value(m, f"vllm:sparkcache_{side}_step_seconds_count") >= TURNS * MAX_TOKENS, side
     assert _value(m, "vllm:sparkcache_filesystem_free_bytes") > 0
     assert _value(m, "vllm:sparkcache_publication_pending_slots") == 0
     # the workers' settle reports reached the scheduler (else it waits 120 s for them)

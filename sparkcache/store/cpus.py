@@ -1,0 +1,84 @@
+"""Which CPUs the store's threads run on.
+
+vLLM's CPU worker pins its process to the cores its OpenMP threads compute on (with
+``VLLM_CPU_OMP_THREADS_BIND=auto``: all but one core per NUMA node, the one left for the
+engine's other processes). Threads started in that process inherit the pin, so publication
+(hashing pages, writing, syncing) and maintenance ran on the cores the model computes on
+while the reserved core idled: Report B's slowdown (docs/SIZING.md, "Report B on the real
+engine"). So:
+
+- ``note_model_cpus``: the connector's worker records the CPUs vLLM pinned it to;
+- ``run_off_model_cpus``: a background thread (the publisher, the maintenance thread, their
+  pools) moves to the allowed CPUs other than those, or to every allowed CPU when that
+  leaves none (one core; a worker vLLM did not pin, as on GPUs; no worker at all);
+- ``run_as_publisher``: the same, at a lower priority, for publication's threads;
+- ``run_on_every_allowed_cpu``: a restore's readers (the model waits for them) run on every
+  CPU the cpuset allows.
+
+Each changes only the calling thread's affinity (Linux; elsewhere nothing happens).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_model_cpus: frozenset[int] = frozenset()
+
+
+def note_model_cpus() -> frozenset[int]:
+    """Record the calling thread's CPUs as the model's (call it on the thread vLLM pinned)."""
+    global _model_cpus
+    try:
+        _model_cpus = frozenset(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        _model_cpus = frozenset()
+    return _model_cpus
+
+
+def model_cpus() -> frozenset[int]:
+    """The CPUs last noted as the model's (empty: none noted)."""
+    return _model_cpus
+
+
+def _widen() -> set[int]:
+    """Let the calling thread run on every CPU the cpuset allows (the kernel intersects the
+    mask with it); those CPUs."""
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    return os.sched_getaffinity(0)
+
+
+def run_on_every_allowed_cpu() -> None:
+    try:
+        _widen()
+    except (OSError, AttributeError):
+        pass  # no such call, or an empty intersection: the inherited mask stays
+
+
+PUBLISH_NICE = 10  # publication yields to vLLM's other processes on the CPUs left to it
+
+
+def run_as_publisher() -> frozenset[int]:
+    """A publication thread: off the model's CPUs, and at niceness ``PUBLISH_NICE``: there it
+    shares a core with vLLM's engine core and API server, whose every step the probe waits
+    on, while a publication only delays when its entry can be restored. (Maintenance stays
+    at the process's priority: its pass budget is wall time; docs/SIZING.md.)"""
+    placed = run_off_model_cpus()
+    try:
+        tid = threading.get_native_id()  # never above the priority it has (a niced process)
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), PUBLISH_NICE))
+    except (OSError, AttributeError):
+        pass  # raising niceness needs no privilege; a platform without it keeps the priority
+    return placed
+
+
+def run_off_model_cpus() -> frozenset[int]:
+    """Move the calling thread off the model's CPUs; the CPUs it may run on now."""
+    try:
+        allowed = _widen()
+        rest = allowed - _model_cpus
+        if rest:
+            os.sched_setaffinity(0, rest)
+        return frozenset(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return frozenset()
