@@ -28,6 +28,7 @@ A writing worker (read-write, store-only) also runs the store's maintenance
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -94,7 +95,7 @@ class WorkerSide:
         self.maintenance: WorkerMaintenance | None = None
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             # before the publisher and maintenance threads start: they move off these CPUs
-            model_cpus = cpus.note_model_cpus()
+            model_cpus = cpus.note_model_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
             logger.info("sparkcache: the model's CPUs (this worker's pin) %s; publication and "
                         "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,

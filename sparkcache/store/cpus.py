@@ -7,7 +7,8 @@ engine's other processes). Threads started in that process inherit the pin, so p
 while the reserved core idled: Report B's slowdown (docs/SIZING.md, "Report B on the real
 engine"). So:
 
-- ``note_model_cpus``: the connector's worker records the CPUs vLLM pinned it to;
+- ``note_model_cpus``: the connector's worker records the CPUs vLLM pinned it to (and, with
+  an explicit ``VLLM_CPU_OMP_THREADS_BIND``, every rank's);
 - ``run_off_model_cpus``: a background thread (the publisher, the maintenance thread, their
   pools) moves to the allowed CPUs other than those, or to every allowed CPU when that
   leaves none (one core; a worker vLLM did not pin, as on GPUs; no worker at all);
@@ -26,14 +27,30 @@ import threading
 _model_cpus: frozenset[int] = frozenset()
 
 
-def note_model_cpus() -> frozenset[int]:
-    """Record the calling thread's CPUs as the model's (call it on the thread vLLM pinned)."""
+def note_model_cpus(omp_bind: str = "") -> frozenset[int]:
+    """Record the model's CPUs: the calling thread's (call it on the thread vLLM pinned) and
+    every core ``omp_bind`` (``VLLM_CPU_OMP_THREADS_BIND``) gives any tensor-parallel rank,
+    so one rank's background work does not land on another rank's model cores."""
     global _model_cpus
     try:
-        _model_cpus = frozenset(os.sched_getaffinity(0))
+        own = frozenset(os.sched_getaffinity(0))
     except (OSError, AttributeError):
-        _model_cpus = frozenset()
+        own = frozenset()
+    _model_cpus = own | omp_bound_cpus(omp_bind)
     return _model_cpus
+
+
+def omp_bound_cpus(omp_bind: str) -> frozenset[int]:
+    """The CPUs an explicit ``VLLM_CPU_OMP_THREADS_BIND`` lists (``0-3|4-7``, ``0,2|1,3``:
+    one list per rank); none for ``auto``, ``nobind`` or anything else."""
+    cpus: set[int] = set()
+    for rank_list in omp_bind.split("|") if omp_bind.strip() else ():
+        for part in rank_list.split(","):
+            first, dash, last = part.strip().partition("-")
+            if not first.isdigit() or (dash and not last.isdigit()):
+                return frozenset()
+            cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
 
 
 def model_cpus() -> frozenset[int]:

@@ -14,6 +14,7 @@ import threading
 
 import time
 
+import pytest
 import torch
 
 from sparkcache.connector.connector import _open_store
@@ -218,5 +219,36 @@ def test_publication_and_maintenance_run_off_the_cpus_vllm_pinned_the_worker_to(
         own = os.getpriority(os.PRIO_PROCESS, 0)
         assert nice == {name: (own if name == "sparkcache-maintenance" else max(own, cpus.PUBLISH_NICE))
                         for name in nice}, nice
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("bind, cpus_listed", [
+    ("0-3|4-7", set(range(8))), ("0,2|1,3", {0, 1, 2, 3}), ("5", {5}), ("auto", set()),
+    ("nobind", set()), ("all", set()), ("", set()), ("0-|1", set()), ("1-x", set()), ("|", set())])
+def test_an_explicit_omp_bind_lists_every_ranks_cores(bind, cpus_listed):
+    assert cpus.omp_bound_cpus(bind) == cpus_listed
+
+
+def test_background_work_avoids_the_other_ranks_cores_too(tmp_path, monkeypatch):
+    """Tensor parallel on CPU, one core per rank (``VLLM_CPU_OMP_THREADS_BIND=0|1``): rank
+    0's publisher must not move onto rank 1's model core; with no core left it keeps every
+    allowed one (as a worker vLLM did not pin)."""
+    allowed = os.sched_getaffinity(0)
+    assert len(allowed) >= 2, f"needs two CPUs, this process has {sorted(allowed)}"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in sorted(allowed)))
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        worker = _worker(tmp_path / "store", "read-write")
+    finally:
+        os.sched_setaffinity(0, allowed)
+    try:
+        threads = {t.name: t for t in threading.enumerate()}
+        deadline = time.monotonic() + 10  # each thread places itself when it starts running
+        while time.monotonic() < deadline and any(
+                _cpus_of(threads[n]) != allowed for n in ("sparkcache-publisher", "sparkcache-maintenance")):
+            time.sleep(0.05)
+        assert _cpus_of(threads["sparkcache-publisher"]) == allowed
+        assert _cpus_of(threads["sparkcache-maintenance"]) == allowed
     finally:
         worker.close()
