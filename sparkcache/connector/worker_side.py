@@ -96,7 +96,8 @@ class WorkerSide:
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             # before the publisher and maintenance threads start: they move off these CPUs
             model_cpus = cpus.note_model_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
-            logger.info("sparkcache: the model's CPUs (this worker's pin) %s; publication and "
+            logger.info("sparkcache: the model's CPUs (this worker's pin, every rank's listed in "
+                        "VLLM_CPU_OMP_THREADS_BIND) %s; publication and "
                         "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
                                       self._publish, metrics)

@@ -75,27 +75,24 @@ def run_on_every_allowed_cpu() -> None:
 PUBLISH_NICE = 10  # publication yields to vLLM's other processes on the CPUs left to it
 
 
-def run_as_publisher() -> frozenset[int]:
+def run_as_publisher() -> None:
     """A publication thread: off the model's CPUs, and at niceness ``PUBLISH_NICE``: there it
     shares a core with vLLM's engine core and API server, whose every step the probe waits
     on, while a publication only delays when its entry can be restored. (Maintenance stays
     at the process's priority: its pass budget is wall time; docs/SIZING.md.)"""
-    placed = run_off_model_cpus()
+    run_off_model_cpus()
     try:
         tid = threading.get_native_id()  # never above the priority it has (a niced process)
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), PUBLISH_NICE))
     except (OSError, AttributeError):
         pass  # raising niceness needs no privilege; a platform without it keeps the priority
-    return placed
 
 
-def run_off_model_cpus() -> frozenset[int]:
-    """Move the calling thread off the model's CPUs; the CPUs it may run on now."""
+def run_off_model_cpus() -> None:
+    """Move the calling thread off the model's CPUs (to every allowed one if none is left)."""
     try:
-        allowed = _widen()
-        rest = allowed - _model_cpus
+        rest = _widen() - _model_cpus
         if rest:
             os.sched_setaffinity(0, rest)
-        return frozenset(os.sched_getaffinity(0))
     except (OSError, AttributeError):
-        return frozenset()
+        pass  # no such call: the inherited mask stays
