@@ -14,18 +14,22 @@ restore-only | restore-only, read-write | ...), so drift of a shared machine hit
 - ``restore-only``: the same requests, the connector still looks up and restores, but
   captures, publishes and runs maintenance not at all: the baseline.
 
-In each phase ``--agents`` background conversations grow turn after turn (each prompt is the
-previous one plus ``--turn-tokens`` new tokens, ``--agent-output`` tokens out, then
-``--think-seconds`` of tool call; past
-``--conversation-tokens`` a conversation starts over), so the engine always has work and the
-captures keep coming. After ``--warm-seconds`` (and in read-write once the store holds its
-low watermark, 80% of the cap: the first phase fills an empty store) a probe (Report B's idle probe, scaled: a
-fresh ``--probe-tokens`` prompt, ``--probe-output`` tokens out, streamed) runs back to back
-until the phase ends: its time to first token (request sent to first streamed token), its
+In each phase ``--agents`` background conversations grow (each turn's prompt is the previous
+one plus ``--turn-tokens`` new tokens, ``--agent-output`` tokens out; past
+``--conversation-tokens`` a conversation starts over), so the captures keep coming and, in
+read-write, the store stays at its cap. The agents take their turns together; then, during
+their tool calls, a probe (Report B's idle probe, scaled: a fresh ``--probe-tokens`` prompt,
+``--probe-output`` tokens out, streamed) runs alone on the engine while the agents' captures
+publish and the evictions they need run: the store's background work overlaps every probe,
+and the agents' prefills overlap none (when they did, which agent step fell into which probe
+decided more than the mode did). After ``--warm-seconds`` (and in read-write once the store
+holds its low watermark, 80% of the cap: the first phase fills an empty store) the probes
+count for ``--phase-seconds``: time to first token (request sent to first streamed token),
 decode rate ((tokens - 1) / (last - first token)) and every gap between streamed tokens (the
-decode step time as a client sees it). Every 2 s the server's ``/metrics`` is read: the
-store's used bytes and cap, maintenance passes (count, the last one's duration, the passes
-over 1.2x their budget), evictions, the publication backlog.
+decode step time as a client sees it), and before each probe whether publications were
+pending and the store at its cap. Every 2 s the server's ``/metrics`` is read: the store's
+used bytes and cap, maintenance passes (count, the last one's duration, the passes over 1.2x
+their budget), evictions, the publication backlog.
 
 Writes DIR/replay_b_engine.json and DIR/replay_b_engine.png (probe decode tok/s and TTFT per
 phase, store used bytes against the cap, maintenance pass durations, publication backlog).
@@ -218,21 +222,7 @@ def run_phase(args: argparse.Namespace, model: str, root: Path, mode: str, index
         complete(server.port, [rng.randrange(3, 1000) for _ in range(64)], 4)  # first-forward costs
         stop = threading.Event()
         errors: list[str] = []
-
-        def agent(a: int) -> None:
-            arng = random.Random(index * 100 + a)
-            prompt: list[int] = []
-            while not stop.is_set():
-                if len(prompt) + args.turn_tokens > args.conversation_tokens:
-                    prompt = []
-                prompt = prompt + [arng.randrange(3, 1000) for _ in range(args.turn_tokens if prompt else args.start_tokens)]
-                try:
-                    complete(server.port, prompt, args.agent_output)
-                except Exception as exc:  # the bench fails below, with what the server said
-                    errors.append(f"agent {a}: {exc}")
-                    return
-                stop.wait(args.think_seconds)  # the agent's tool call
-
+        conversations = [Conversation(args, random.Random(index * 100 + a)) for a in range(args.agents)]
         samples: list[dict] = []
         t0 = time.monotonic()
 
@@ -243,34 +233,76 @@ def run_phase(args: argparse.Namespace, model: str, root: Path, mode: str, index
                 except OSError as exc:
                     errors.append(f"metrics: {exc}")
 
-        threads = [threading.Thread(target=agent, args=(a,), daemon=True) for a in range(args.agents)]
-        threads.append(threading.Thread(target=sampler, daemon=True))
-        for t in threads:
-            t.start()
-        time.sleep(args.warm_seconds)
-        if mode == "read-write":  # Report B's state: probe only once the store is at its cap
-            filled = time.monotonic() + args.fill_timeout
-            while not samples or samples[-1].get("vllm:sparkcache_capacity_used_bytes", 0.0) < \
-                    AT_CAP * samples[-1].get("vllm:sparkcache_capacity_limit_bytes", 1.0):
-                if time.monotonic() > filled or errors:
-                    raise RuntimeError(f"phase {index}: the store did not reach its low watermark in "
-                                       f"{args.fill_timeout:.0f} s (errors: {errors[:1]}); lower --max-bytes")
-                time.sleep(1.0)
-        probes = []
-        probing_from = time.monotonic() - t0
-        end = time.monotonic() + args.phase_seconds
-        while time.monotonic() < end and not errors:
-            prompt = [rng.randrange(3, 1000) for _ in range(args.probe_tokens)]
-            probes.append(probe(server.port, prompt, args.probe_output))
+        watcher = threading.Thread(target=sampler, daemon=True)
+        watcher.start()
+        probes: list[dict] = []
+        probing_from = None
+        end = None
+        while end is None or time.monotonic() < end:
+            agents_take_a_turn(server.port, conversations, args.agent_output, errors)
+            if errors:
+                break
+            # the agents' tool calls: the probe runs now, while their turns' captures publish and
+            # the evictions those publications need happen (read-write), so the background work
+            # the store adds overlaps every probe and the agents' prefills overlap none
+            at_start = scrape(server.port)
+            run = probe(server.port, [rng.randrange(3, 1000) for _ in range(args.probe_tokens)], args.probe_output)
+            if end is None and time.monotonic() - t0 >= args.warm_seconds and (mode != "read-write" or _at_cap(at_start)):
+                probing_from, end = time.monotonic() - t0, time.monotonic() + args.phase_seconds
+                continue  # the probe that found the store full is warm-up; the next one counts
+            if end is not None:
+                probes.append({**run, "publication_pending_at_start":
+                               at_start.get("vllm:sparkcache_publication_pending_slots", 0.0),
+                               "store_at_cap_at_start": _at_cap(at_start)})
+            elif time.monotonic() - t0 > args.warm_seconds + args.fill_timeout:
+                raise RuntimeError(f"phase {index}: the store did not reach its low watermark in "
+                                   f"{args.fill_timeout:.0f} s; lower --max-bytes")
         stop.set()
-        for t in threads:
-            t.join(timeout=600)
+        watcher.join(timeout=30)
         if errors:
             raise RuntimeError(f"phase {index} ({mode}): {errors[0]}; server log: {server.log_path}")
         last = scrape(server.port)
     finally:
         server.stop()
-    return summarize_phase(mode, index, startup_s, probes, samples, last, probing_from)
+    return summarize_phase(mode, index, startup_s, probes, samples, last, probing_from or 0.0)
+
+
+class Conversation:
+    """One agent's conversation: each turn is the previous prompt plus ``--turn-tokens`` new
+    tokens; past ``--conversation-tokens`` it starts over with ``--start-tokens``."""
+
+    def __init__(self, args: argparse.Namespace, rng: random.Random) -> None:
+        self.args, self.rng, self.prompt = args, rng, []
+
+    def next_prompt(self) -> list[int]:
+        a = self.args
+        if len(self.prompt) + a.turn_tokens > a.conversation_tokens:
+            self.prompt = []
+        self.prompt = self.prompt + [self.rng.randrange(3, 1000)
+                                     for _ in range(a.turn_tokens if self.prompt else a.start_tokens)]
+        return self.prompt
+
+
+def agents_take_a_turn(port: int, conversations: list[Conversation], max_tokens: int, errors: list[str]) -> None:
+    """Every agent's next turn, sent together; returns when all are answered."""
+
+    def turn(a: int, prompt: list[int]) -> None:
+        try:
+            complete(port, prompt, max_tokens)
+        except Exception as exc:  # the bench fails in run_phase, with what the server said
+            errors.append(f"agent {a}: {exc}")
+
+    threads = [threading.Thread(target=turn, args=(a, c.next_prompt()), daemon=True)
+               for a, c in enumerate(conversations)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+
+
+def _at_cap(sample: dict) -> bool:
+    return sample.get("vllm:sparkcache_capacity_used_bytes", 0.0) >= \
+        AT_CAP * sample.get("vllm:sparkcache_capacity_limit_bytes", float("inf"))
 
 
 def summarize_phase(mode: str, index: int, startup_s: float, probes: list[dict], samples: list[dict],
@@ -287,6 +319,9 @@ def summarize_phase(mode: str, index: int, startup_s: float, probes: list[dict],
         "store_cap_bytes": cap,
         # while the probes ran: the share of samples with the store at or over its low watermark
         "at_cap_fraction": (sum(u >= AT_CAP * cap for u in used) / len(used)) if used and cap else 0.0,
+        # the probes that started with publications pending / with the store at its cap
+        "probes_publication_pending": sum(p["publication_pending_at_start"] > 0 for p in probes),
+        "probes_at_cap": sum(p["store_at_cap_at_start"] for p in probes),
         "maintenance_passes": last.get("vllm:sparkcache_maintenance_passes_total", 0.0),
         "passes_over_budget": last.get("vllm:sparkcache_maintenance_passes_overrun_total", 0.0),
         "evictions": last.get("vllm:sparkcache_evictions_total", 0.0),
@@ -327,7 +362,15 @@ def summarize(phases: list[dict], args: argparse.Namespace) -> dict:
             "medians": {m: {k: med(m, k) for k in ("decode_tok_s", "ttft_s", "gap_p50_s", "gap_p99_s")}
                         for m in MODES},
             "read_write_at_cap_fraction": statistics.mean(p["at_cap_fraction"] for p in rw_phases),
+            # of the read-write probes: those that started with the store at its cap, and with
+            # publications pending (the background work the probe shares the machine with)
+            "read_write_probes_at_cap_fraction": _share(rw_phases, "probes_at_cap"),
+            "read_write_probes_publication_pending_fraction": _share(rw_phases, "probes_publication_pending"),
             "targets": targets, "met": all(targets.values())}
+
+
+def _share(phases: list[dict], key: str) -> float:
+    return sum(p[key] for p in phases) / max(1, sum(p["probes"] for p in phases))
 
 
 def plot(result: dict, png: Path) -> Path | None:
@@ -379,9 +422,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", default="32MiB", help="the store's cap (SPARKCACHE_MAX_BYTES)")
     p.add_argument("--agents", type=int, default=2, help="background conversations")
     p.add_argument("--start-tokens", type=int, default=512, help="an agent conversation's first prompt")
-    p.add_argument("--turn-tokens", type=int, default=32, help="new tokens per agent turn")
+    p.add_argument("--turn-tokens", type=int, default=128, help="new tokens per agent turn")
     p.add_argument("--agent-output", type=int, default=32, help="output tokens per agent turn")
-    p.add_argument("--think-seconds", type=float, default=3.0, help="an agent's pause between turns (its tool call)")
     p.add_argument("--conversation-tokens", type=int, default=2048, help="an agent conversation starts over past this")
     p.add_argument("--probe-tokens", type=int, default=256, help="the probe's prompt (fresh each time)")
     p.add_argument("--probe-output", type=int, default=128, help="the probe's output tokens")
@@ -416,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
             phases.append(phase)
             print(f"phase {phase['index']} {mode:>12}: decode {phase['decode_tok_s']:.2f} tok/s, TTFT "
                   f"{phase['ttft_s']:.3f} s, gap p99 {1000 * phase['gap_p99_s']:.1f} ms, {phase['probes']} probes, "
-                  f"at cap {100 * phase['at_cap_fraction']:.0f}%, passes {phase['maintenance_passes']:.0f} "
+                  f"at cap {100 * phase['at_cap_fraction']:.0f}% (probes starting at cap {phase['probes_at_cap']}, "
+                  f"with publications pending {phase['probes_publication_pending']}), passes {phase['maintenance_passes']:.0f} "
                   f"(over budget {phase['passes_over_budget']:.0f}), evictions {phase['evictions']:.0f}, "
                   + "".join(f"{k} {1000 * v['mean_s']:.2f} ms/step (p99 <= {v['p99_at_most_s']}), "
                             for k, v in phase["connector_per_step"].items())
