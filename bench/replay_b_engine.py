@@ -1,7 +1,7 @@
 """Report B on the real engine: does a store at its cap slow vLLM's decode or first token?
 
     python -m bench.replay_b_engine --out bench-out/replay_b_engine [--cycles 3] [--phase-seconds 90]
-        [--max-bytes 160MiB] [--agents 2] [--probe-tokens 2000] [--probe-output 200]
+        [--max-bytes 64MiB] [--agents 2] [--probe-tokens 256] [--probe-output 128]
 
 One ``vllm serve`` (the OpenAI server on 127.0.0.1, vLLM's own engine-core and worker
 processes, compiled, as operators run it) per phase, all on one store root, with the bench
@@ -414,17 +414,17 @@ def plot(result: dict, png: Path) -> Path | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.replay_b_engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="directory for the JSON, the plot and the server logs")
-    p.add_argument("--cycles", type=int, default=2, help="pairs of phases (one read-write, one restore-only)")
-    p.add_argument("--phase-seconds", type=float, default=60.0, help="probing time per phase")
+    p.add_argument("--cycles", type=int, default=3, help="pairs of phases (one read-write, one restore-only)")
+    p.add_argument("--phase-seconds", type=float, default=90.0, help="probing time per phase")
     p.add_argument("--warm-seconds", type=float, default=20.0, help="agents only, before the probes start")
     p.add_argument("--fill-timeout", type=float, default=600.0,
                    help="read-write phases probe once the store reached its low watermark; give up after this")
-    p.add_argument("--max-bytes", default="32MiB", help="the store's cap (SPARKCACHE_MAX_BYTES)")
+    p.add_argument("--max-bytes", default="64MiB", help="the store's cap (SPARKCACHE_MAX_BYTES)")
     p.add_argument("--agents", type=int, default=2, help="background conversations")
     p.add_argument("--start-tokens", type=int, default=512, help="an agent conversation's first prompt")
     p.add_argument("--turn-tokens", type=int, default=128, help="new tokens per agent turn")
     p.add_argument("--agent-output", type=int, default=32, help="output tokens per agent turn")
-    p.add_argument("--conversation-tokens", type=int, default=2048, help="an agent conversation starts over past this")
+    p.add_argument("--conversation-tokens", type=int, default=1024, help="an agent conversation starts over past this")
     p.add_argument("--probe-tokens", type=int, default=256, help="the probe's prompt (fresh each time)")
     p.add_argument("--probe-output", type=int, default=128, help="the probe's output tokens")
     p.add_argument("--max-model-len", type=int, default=8192)
