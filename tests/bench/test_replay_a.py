@@ -16,6 +16,8 @@ import pytest
 
 from bench import replay_a
 
+pytestmark = [pytest.mark.slow]
+
 # Default-shaped (4 agents, default starts, reasoning, headroom), shortened.
 PRESSURE = ["--duration", "2400", "--seed", "0"]
 SMALL = ["--agents", "3", "--start-tokens", "1500,3000", "--growth-tokens", "48", "--reply-tokens", "16",

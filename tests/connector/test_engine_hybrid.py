@@ -32,6 +32,8 @@ from sparkcache.store import PageStore
 
 from .conftest import long_prompt, metric, run_engine
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 BLOCK = 64
 PROMPT = long_prompt(1100, seed=3)
 REUSABLE = (len(PROMPT) - 1) // BLOCK * BLOCK  # 1,088: whole blocks, never the last token

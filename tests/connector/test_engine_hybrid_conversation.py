@@ -17,6 +17,8 @@ from transforms.scenarios.growing_conversation import ALL_OPTIONS
 from .conftest import long_prompt, metric, run_engine
 from .test_engine_hybrid import BLOCK, HYBRID
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 OPENING = long_prompt(1100, seed=5)
 TURNS = [OPENING] + [long_prompt(80, seed=10 + k) for k in range(3)]
 

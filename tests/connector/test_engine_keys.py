@@ -19,6 +19,8 @@ import pytest
 
 from .conftest import long_prompt, run_engine
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 BLOCK = 32
 PROMPT = long_prompt(2100, seed=5)
 REUSABLE = (len(PROMPT) - 1) // BLOCK * BLOCK  # 2080

@@ -34,6 +34,8 @@ from mounts import read_only_view
 
 from .conftest import long_prompt, metric, run_engine, snapshot
 
+pytestmark = [pytest.mark.engine, pytest.mark.root, pytest.mark.slow]
+
 BLOCK = 32
 PROMPT = long_prompt(2100)
 REUSABLE = (len(PROMPT) - 1) // BLOCK * BLOCK  # whole blocks, never the last prompt token: 2080

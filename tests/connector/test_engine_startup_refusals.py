@@ -20,6 +20,8 @@ import pytest
 from .conftest import REPO
 from contracts.engine_driver import run_in_fresh_process
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 BLOCK = 32
 
 

@@ -33,6 +33,8 @@ from sparkcache.store import Identity, PageStore
 from .conftest import long_prompt, metric
 from .conftest import run_engine as _run_engine
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 BLOCK = 32
 PROMPTS = [long_prompt(2100, seed=21), long_prompt(2100, seed=22)]
 REUSABLE = (2100 - 1) // BLOCK * BLOCK  # 2,080

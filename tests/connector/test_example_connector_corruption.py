@@ -25,6 +25,8 @@ import pytest
 
 from .conftest import long_prompt, metric, run_engine
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 BLOCK = 32
 PROMPT = long_prompt(300, seed=7)
 LOADED = (len(PROMPT) - 1) // BLOCK * BLOCK  # ExampleConnector loads whole blocks of prompt[:-1]

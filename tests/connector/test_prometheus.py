@@ -34,6 +34,8 @@ import yaml
 from .conftest import REPO
 from .test_serve_chat import _free_port, _get, converse, serve, settled_metrics
 
+pytestmark = [pytest.mark.engine, pytest.mark.root, pytest.mark.slow]
+
 DOCS = REPO / "docs" / "monitoring"
 RULES = DOCS / "sparkcache-alerts.yaml"
 DASHBOARD = DOCS / "sparkcache-dashboard.json"

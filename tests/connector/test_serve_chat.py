@@ -45,6 +45,8 @@ import pytest
 
 from .conftest import REPO
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 BLOCK = 32
 TURNS = 6
 MAX_TOKENS = 8

@@ -16,6 +16,8 @@ import pytest
 from .test_engine_hybrid import BLOCK
 from .test_serve_chat import _record, _value, converse, serve, settled_metrics
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 HYBRID_ARGS = ("--mamba-cache-mode", "align", "--max-num-batched-tokens", str(BLOCK))
 
 

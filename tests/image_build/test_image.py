@@ -7,8 +7,12 @@ import json
 import re
 import subprocess
 
+import pytest
+
 from images.builder import dockerenv
 from tests.image_build.conftest import build_py
+
+pytestmark = [pytest.mark.docker, pytest.mark.engine, pytest.mark.network, pytest.mark.slow]
 
 
 def test_build_prints_one_reference_and_stages_on_stderr(built):

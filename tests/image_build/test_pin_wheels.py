@@ -11,6 +11,8 @@ from images.builder.pinning import Pin, platform_tags, rewrite_spec_wheels
 from images.builder.spec import load
 from tests.image_build.conftest import REPO, build_py
 
+pytestmark = [pytest.mark.network]
+
 CPU = REPO / "images" / "vllm-cpu.yaml"
 
 

@@ -11,6 +11,8 @@ from images.builder import dockerenv
 from images.builder.spec import load
 from tests.image_build.conftest import REPO, build_py
 
+pytestmark = [pytest.mark.docker, pytest.mark.network, pytest.mark.slow]
+
 
 def test_unreachable_engine():
     env = {"DOCKER_HOST": "unix:///tmp/sparkcache-no-such-engine.sock"}

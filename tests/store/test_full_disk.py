@@ -11,6 +11,8 @@ from sparkcache.metrics import StoreMetrics
 from sparkcache.store import verify_store
 from store_helpers import IDENT, conv_keys, conv_pages, open_store
 
+pytestmark = [pytest.mark.root]
+
 
 @pytest.fixture
 def small_disk(tmp_path):

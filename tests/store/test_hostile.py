@@ -374,6 +374,7 @@ def test_a_stopped_lock_holder_stops_a_pass_by_lock(world):
 # ----------------------------------------------------------------------------- full, read-only
 
 
+@pytest.mark.root
 def test_leased_lookup_on_a_full_disk_is_a_miss(tmp_path):
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
         root = os.path.join(disk, "store")
@@ -422,6 +423,7 @@ def _read_only_ops(trial: Trial, store) -> None:
     trial.run("verify_store", lambda: verify_store(store.layout))
 
 
+@pytest.mark.root
 def test_writer_whose_root_is_remounted_read_only(tmp_path):
     root = tmp_path / "store"
     publish_good(root)
@@ -433,6 +435,7 @@ def test_writer_whose_root_is_remounted_read_only(tmp_path):
         trial.assert_clean()
 
 
+@pytest.mark.root
 def test_writer_opened_on_a_read_only_mount(tmp_path):
     """A writer opened on a read-only mount either refuses to open with an OSError (a clean
     refusal) or opens and then never raises from lookups (leased or not), publish or a pass."""

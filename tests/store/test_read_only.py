@@ -15,6 +15,8 @@ from sparkcache.store import PageStore
 from mounts import read_only_view
 from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
 
+pytestmark = [pytest.mark.root]
+
 
 def _state(root: Path) -> dict[str, tuple]:
     out = {}

@@ -28,6 +28,8 @@ from transforms.checkpoint_retention import DROP_KEY, RETAIN_KEY, SCHEDULER, SIN
 from transforms.engine import transform_source
 from transforms.trees import run_scenario
 
+pytestmark = [pytest.mark.slow]
+
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_retention"
 SCENARIO = "transforms.scenarios.checkpoint_retention"
 

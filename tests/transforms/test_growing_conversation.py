@@ -9,6 +9,8 @@ import pytest
 
 from transforms.trees import run_scenario
 
+pytestmark = [pytest.mark.slow]
+
 SCENARIO = "transforms.scenarios.growing_conversation"
 
 

@@ -34,6 +34,8 @@ from transforms.engine import transform_source
 from transforms.lease_accounting import LEASE_KEY, SCHEDULER, SINGLE_TYPE, STATS, TRANSFORM
 from transforms.trees import run_scenario
 
+pytestmark = [pytest.mark.slow]
+
 FIXTURES = Path(__file__).parent / "fixtures" / "lease_accounting"
 SCENARIO = "transforms.scenarios.lease_accounting"
 

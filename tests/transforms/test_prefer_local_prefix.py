@@ -33,6 +33,8 @@ from transforms.engine import transform_source
 from transforms.prefer_local_prefix import KEY, TRANSFORM
 from transforms.trees import run_scenario
 
+pytestmark = [pytest.mark.slow]
+
 FIXTURES = Path(__file__).parent / "fixtures" / "prefer_local_prefix"
 RELPATH = "vllm/v1/core/sched/scheduler.py"
 SCENARIO = "transforms.scenarios.prefer_local_prefix"

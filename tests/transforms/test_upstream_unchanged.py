@@ -10,9 +10,12 @@ Both runs must also equal the outcomes recorded in contracts/expected/upstream-o
 which the contract suite holds an image's tree to: the record cannot go stale unnoticed.
 """
 
+import pytest
 from upstream import CI_SUBSET, compare, run_both
 
 from contracts.upstream import expected_outcomes
+
+pytestmark = [pytest.mark.slow]
 
 
 def test_upstream_subset_same_outcomes_on_both_trees(tmp_path):
