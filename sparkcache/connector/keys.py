@@ -106,8 +106,9 @@ def request_extra_keys(request: Any, adapter_fingerprint: str | None) -> ExtraKe
 
 
 def _le_uint32(token_ids: Sequence[int]) -> bytes:
-    """The token ids as little-endian uint32, the bytes the keys hash (10x faster than
-    ``int.to_bytes`` per token; OverflowError for an id outside uint32, like that was)."""
+    """The token ids as little-endian uint32, the bytes the keys hash (one C call, not
+    ``int.to_bytes`` per token: docs/RESULTS.md, "Measurements behind the code");
+    OverflowError for an id outside uint32, like ``int.to_bytes``."""
     packed = array.array(_UINT32, token_ids)
     if sys.byteorder != "little":
         packed.byteswap()

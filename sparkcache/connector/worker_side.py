@@ -128,7 +128,7 @@ class WorkerSide:
         # A KV cache in host memory means vLLM's CPU backend: the forward's OpenMP threads
         # hold the worker's cores (spinning between parallel regions), so a restore's pages
         # are read and hashed on this thread; on a pool they queue behind those threads
-        # (5 pages, 17 MB, in the engine on 2 vCPUs: 15-20 ms on the pool, 5-6 ms here).
+        # (docs/RESULTS.md, "Measurements behind the code").
         self.read_in_parallel = not any(t.device.type == "cpu" for t in self.kv.values())
 
     def _layers(self, group: int) -> list[str]:

@@ -397,11 +397,11 @@ WRITE_CHUNK = 1 << 20  # bytes per write(2) call
 def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write all of ``data`` to ``fd``, at most ``WRITE_CHUNK`` bytes per call.
 
-    One write(2) of 2 or 4 MiB into a fresh file measured 0.6-1.3 GB/s on the VM this was
-    built on, against 3.6-4.6 GB/s for the same bytes written 1 MiB at a time (the kernel
-    backs a large single write with large page-cache folios, taken from free memory the
-    hypervisor has reclaimed and must fault back in). Pages of several MiB are the normal
-    case for real models, so every file the store writes goes through here."""
+    A single write(2) of several MiB into a fresh file was several times slower than the
+    same bytes written 1 MiB at a time on a VM (the kernel backs a large single write with
+    large page-cache folios, taken from free memory the hypervisor has reclaimed and must
+    fault back in; docs/RESULTS.md, "Measurements behind the code"). Pages of several MiB
+    are the normal case for real models, so every file the store writes goes through here."""
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view[:WRITE_CHUNK]):]

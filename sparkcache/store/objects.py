@@ -2,8 +2,9 @@
 of their bytes.
 
 Reads are always verified: the bytes are re-hashed and compared with the name. BLAKE3 is a
-cryptographic hash like sha256 but about 4x faster per core here (4.5 against 1.2 GB/s with
-SHA-NI); verifying every restored byte is what a restore pays over an unverified one. A missing
+cryptographic hash like sha256 but several times faster per core (docs/RESULTS.md,
+"Measurements behind the code"); verifying every restored byte is what a restore pays over an
+unverified one. A missing
 object or one shorter than its recorded size is ``absent``; wrong bytes, a wrong size, a
 symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
 """
@@ -117,10 +118,10 @@ class ObjectStore:
         into the KV cache (a read into new process memory costs a page fault per 4 KiB, more
         than the hash here). An object in the page cache is mapped populated (one call); one
         that is not is mapped for sequential access and the hash faults it in, so the kernel's
-        readahead (large folios) brings the rest while the first part is hashed: 17 MB cold,
-        4 objects, 20 ms, against 24 ms asking for each whole (``POSIX_FADV_WILLNEED``, small
-        folios) and then populating; with the next object asked for meanwhile
-        (``read_many_verified``) 16 ms. Safe because objects are immutable: written under a
+        readahead (large folios) brings the rest while the first part is hashed, faster than
+        asking for each whole (``POSIX_FADV_WILLNEED``) and then populating, and faster still
+        with the next object asked for meanwhile (``read_many_verified``; docs/RESULTS.md,
+        "Measurements behind the code"). Safe because objects are immutable: written under a
         temp name and renamed, never rewritten in place; an unlink (eviction) leaves the
         mapping valid (another program truncating a mapped object in place would fault the
         reader with SIGBUS; nothing in sparkcache does)."""
@@ -192,8 +193,8 @@ class ObjectStore:
     def check_many_present(self, refs: list) -> None:
         """``check_present`` for several pages, in parallel threads when there are many (a
         cold ``lstat`` is a disk read), else on this thread: a warm ``lstat`` takes
-        microseconds and a hand-off to the pool milliseconds when the cores are busy (5 pages
-        in vLLM's CPU engine on 2 vCPUs: 0.7-3.8 ms on the pool). Raises the first
+        microseconds and a hand-off to the pool milliseconds when the cores are busy
+        (docs/RESULTS.md, "Measurements behind the code"). Raises the first
         ``ObjectError`` in page order."""
         _each_in_parallel(lambda ref: self.check_present(ref.digest, ref.size), refs,
                           parallel=len(refs) > _SERIAL_CHECK_PAGES)
