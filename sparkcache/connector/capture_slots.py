@@ -17,9 +17,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sparkcache.store import cpus
+
+if TYPE_CHECKING:  # for readers and type checkers
+    from sparkcache.metrics import StoreMetrics
 
 logger = logging.getLogger("sparkcache.capture")
 
@@ -35,7 +38,7 @@ class CaptureSlotStats:
 
 class CaptureSlots:
     def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Any], Any],
-                 metrics: Any = None) -> None:
+                 metrics: StoreMetrics | None = None) -> None:
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self._publish = publish

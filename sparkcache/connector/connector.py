@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sparkcache.metrics import StoreMetrics
-from sparkcache.settings import SettingsError, load_settings
+from sparkcache.settings import Settings, SettingsError, load_settings
 from sparkcache.store import PageStore
 
 from .identity import make_identity, shard_identities
@@ -32,6 +32,16 @@ from .kv_layout import KVLayout, LayoutKind
 from .scheduler_side import CapturePlan, LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
 from .worker_side import WorkerSide
+
+if TYPE_CHECKING:  # vLLM's types, for readers and type checkers; never imported at run time here
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -57,7 +67,7 @@ class SparkcacheWorkerMetadata(KVConnectorWorkerMetadata):
         return SparkcacheWorkerMetadata(self.settled + list(getattr(other, "settled", ())), loaded, failed)
 
 
-def _settings_from(vllm_config: Any):
+def _settings_from(vllm_config: VllmConfig) -> Settings:
     """The settings, and the scheduler transforms' options, parsed by the one table; a
     kv_load_failure_policy that fails requests on a refused restore needs an explicit yes."""
     kvt = vllm_config.kv_transfer_config
@@ -75,7 +85,7 @@ def _settings_from(vllm_config: Any):
     return settings
 
 
-def _refuse_unsupported_parallel(vllm_config: Any, settings: Any) -> None:
+def _refuse_unsupported_parallel(vllm_config: VllmConfig, settings: Settings) -> None:
     """Tensor parallelism: every rank stores its own shard of an entry (its heads) under its
     own identity, and the scheduler offers an entry only when every rank's shard is there.
     Refused at startup rather than stored wrong: pipeline parallelism (the scheduler sees
@@ -109,7 +119,7 @@ def _refuse_unsupported_parallel(vllm_config: Any, settings: Any) -> None:
             "with SPARKCACHE_ENABLED=0")
 
 
-def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
+def _open_store(settings: Settings, *, metrics: StoreMetrics | None) -> PageStore | None:
     mode = settings.access_mode if settings.enabled else "disabled"
     if mode == "disabled":
         return None  # no file I/O at all
@@ -125,7 +135,7 @@ def _open_store(settings: Any, *, metrics: Any) -> PageStore | None:
     return PageStore.from_settings(settings, metrics=metrics)
 
 
-def _rank_stores(settings: Any, ranks: int) -> tuple[PageStore, ...] | None:
+def _rank_stores(settings: Settings, ranks: int) -> tuple[PageStore, ...] | None:
     """The store of every tensor-parallel rank's shards, as the scheduler reads them: one
     object for all when they share a root; None when a rank's cannot be read (restore-only
     and it holds no store yet), since an entry is offered only when every rank's shard is."""
@@ -173,7 +183,8 @@ def _ensure_log_handler() -> None:
 class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.DISK
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _ensure_log_handler()
         self.settings = _settings_from(vllm_config)
@@ -226,17 +237,17 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         samples.add(name, self._step_s)
         self._step_s = 0.0
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         with self._in_step():
             return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         with self._in_step():
             self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
         with self._in_step():
             loads, captures = self._sched.build_meta(scheduler_output)
@@ -244,21 +255,21 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._end_step(self._sched.samples, "scheduler_step_seconds")
         return SparkcacheConnectorMetadata(loads, captures)
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         if self._sched is not None:
             self._sched.state(request)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
             with self._in_step():
                 self._sched.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         assert self._sched is not None
         with self._in_step():
             return self._sched.request_finished(request, (list(block_ids),))
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         assert self._sched is not None
         with self._in_step():
             return self._sched.request_finished(request, tuple(list(b) for b in block_ids))
@@ -286,11 +297,11 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ============================================================ worker side
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -304,7 +315,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # captures happen once per finished request, from the blocks vLLM holds for us
 
     def wait_for_save(self) -> None:
@@ -368,7 +379,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         return SparkcacheStats(data=dict(data)) if data else SparkcacheStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> SparkcachePromMetrics:
         return SparkcachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -42,11 +42,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from sparkcache.store.identity import entry_id_for
 from sparkcache.store.manifests import PageRef, pages_needed
 from sparkcache.store.units import incomplete_units
+
+if TYPE_CHECKING:  # for readers and type checkers; never imported at run time here
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from sparkcache.settings import Settings
+    from sparkcache.store import EntryHandle, Identity, PageStore
 
 from .attribution import AttributionRecord, emit
 from .identity import AdapterFingerprints
@@ -80,7 +89,7 @@ class StoredPages:
     state: PageRef | None = None  # the recurrent state at end_block (hybrid entries ending there)
 
     @classmethod
-    def of(cls, handle: Any, start_block: int, end_block: int) -> "StoredPages":
+    def of(cls, handle: EntryHandle, start_block: int, end_block: int) -> "StoredPages":
         """The pages of ``handle`` (an ``EntryHandle``) that hold blocks [start, end), and its
         state when the entry ends exactly at ``end_block``."""
         bpp = handle.blocks_per_page
@@ -113,11 +122,11 @@ class CapturePlan:
 
 @dataclass
 class _ReqState:
-    request: Any
+    request: Request
     keys: BlockKeys
     record: AttributionRecord
     last_query: tuple[int, int] = (0, 0)   # (n_local asked with, tokens offered)
-    last_found: Any = None                 # the EntryHandle behind the last offer
+    last_found: EntryHandle | None = None  # behind the last offer
     load_plan: LoadPlan | None = None      # planned, not yet reported by the workers
     load_tokens: int = 0
     load_done_ok: int = 0                  # restored tokens reported ok, not yet consumed
@@ -138,7 +147,7 @@ class SchedulerCounters:
 
 
 class SchedulerSide:
-    def __init__(self, settings: Any, identities: tuple[Any, ...], stores: tuple[Any, ...] | None,
+    def __init__(self, settings: Settings, identities: tuple[Identity, ...], stores: tuple[PageStore, ...] | None,
                  block_size: int, layout: KVLayout, num_groups: int) -> None:
         self.settings = settings
         self.mode = settings.access_mode if settings.enabled else "disabled"
@@ -177,12 +186,12 @@ class SchedulerSide:
         self.after_reset = False                  # vLLM reset the connector's cache: stop
 
     @property
-    def store(self) -> Any:
+    def store(self) -> PageStore | None:
         """Rank 0's store (the only one unless ROOT holds ``{rank}``)."""
         return self.stores[0] if self.stores else None
 
     @property
-    def identity(self) -> Any:
+    def identity(self) -> Identity:
         """Rank 0's identity (the one the scheduler itself is made with)."""
         return self.identities[0]
 
@@ -198,7 +207,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ requests
 
-    def state(self, request: Any) -> _ReqState:
+    def state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
             st = _ReqState(request, BlockKeys(self.block_size),
@@ -247,7 +256,7 @@ class SchedulerSide:
                            "update); no restores or captures until vLLM restarts")
         self.after_reset = True
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self.state(request)
         st.last_found = None
         st.last_query = (num_computed_tokens, 0)
@@ -291,7 +300,7 @@ class SchedulerSide:
             if settled:
                 return depth, handle
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         st = self.state(request)
@@ -316,7 +325,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ per step
 
-    def build_meta(self, scheduler_output: Any) -> tuple[list[LoadPlan], list[CapturePlan]]:
+    def build_meta(self, scheduler_output: SchedulerOutput) -> tuple[list[LoadPlan], list[CapturePlan]]:
         if len(self.identities) > 1 and self.mode in CAPTURING_MODES and self.stores is not None:
             now = time.monotonic()
             if now >= self._next_reconcile:  # O(entries): once a minute, never per step
@@ -413,7 +422,7 @@ class SchedulerSide:
         if scheduled and num_computed + scheduled >= st.record.prompt_tokens:
             st.record.mark_prefill_done()
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         failed = set(output.failed_recving or ())
         for req_id in output.finished_recving or ():
             st = self.reqs.get(req_id)
@@ -534,7 +543,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ finish
 
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         st = self.state(request)
         status = str(getattr(request.status, "name", request.status))
         record = st.record.finish(status)
@@ -562,7 +571,7 @@ class SchedulerSide:
         self.awaiting_send.add(request.request_id)
         return True, params
 
-    def _capture_plan(self, st: _ReqState, request: Any, block_ids: tuple[list[int], ...]) -> CapturePlan | None:
+    def _capture_plan(self, st: _ReqState, request: Request, block_ids: tuple[list[int], ...]) -> CapturePlan | None:
         if self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only:
             return None
         bs = self.block_size
@@ -614,7 +623,7 @@ SKIP_REASONS = ("multimodal", "prompt_embeds", "lora_unreadable", "lora_changed"
                 "unencodable_input", "after_reset")
 
 
-def unsupported_input(request: Any) -> str | None:
+def unsupported_input(request: Request) -> str | None:
     """Why a request's KV is neither offered nor captured (``multimodal``, ``prompt_embeds``),
     or None. Multimodal inputs and prompt embeddings are keyed (``keys.py``), but their
     restore has not been shown end to end on the engine; until it is, they recompute."""

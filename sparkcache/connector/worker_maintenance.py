@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sparkcache.store import MaintenanceThread, PassBudget, PassReport
 
 from .samples import Samples
 
+if TYPE_CHECKING:  # for readers and type checkers
+    from sparkcache.settings import Settings
+    from sparkcache.store import PageStore
+
 logger = logging.getLogger("sparkcache.connector")
 
 
 class WorkerMaintenance:
-    def __init__(self, store: Any, settings: Any) -> None:
+    def __init__(self, store: PageStore, settings: Settings) -> None:
         self.root = settings.root
         self._lock = threading.Lock()
         self._counters: dict[str, float] = {}

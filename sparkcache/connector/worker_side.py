@@ -33,7 +33,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkcache.store import cpus
 from sparkcache.store.manifests import pages_needed
@@ -42,8 +42,18 @@ from sparkcache.store.objects import CORRUPT, ObjectError
 from .capture_slots import CaptureSlots
 from .kv_layout import KVLayout, LayoutKind
 from .samples import Samples
-from .scheduler_side import StoredPages
+from .scheduler_side import CapturePlan, LoadPlan, StoredPages
 from .worker_maintenance import WorkerMaintenance
+
+if TYPE_CHECKING:  # for readers and type checkers; never imported at run time here
+    import mmap
+
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from sparkcache.metrics import StoreMetrics
+    from sparkcache.settings import Settings
+    from sparkcache.store import Identity, PageStore, PublishResult
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -67,8 +77,9 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 class WorkerSide:
-    def __init__(self, settings: Any, identity: Any, store: Any, kv_cache_config: Any,
-                 layout: KVLayout, metrics: Any = None) -> None:
+    def __init__(self, settings: Settings, identity: Identity, store: PageStore | None,
+                 kv_cache_config: KVCacheConfig, layout: KVLayout,
+                 metrics: StoreMetrics | None = None) -> None:
         self.settings = settings
         self.identity = identity
         self.identity_digest = identity.digest()  # compared with every load plan's
@@ -77,7 +88,7 @@ class WorkerSide:
         self.layout = layout
         self.group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
         self.after_forward: list[Any] = []  # hybrid capture plans, copied in wait_for_save
-        self.kv: dict[str, Any] = {}
+        self.kv: dict[str, torch.Tensor] = {}  # uint8 views
         self.read_in_parallel = True  # see register_kv_caches
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
@@ -117,7 +128,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ setup
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv = {}
         for layers in self.group_layers:
             for name in layers:
@@ -152,7 +163,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ restore
 
-    def load(self, plan: Any) -> None:
+    def load(self, plan: LoadPlan) -> None:
         placed = None
         started = time.monotonic()
         try:
@@ -175,7 +186,7 @@ class WorkerSide:
             self._add("restored_state_bytes", placed[1])
             self.samples.add("restore_bytes", placed[0] + placed[1])
 
-    def _load(self, plan: Any) -> tuple[int, int] | None:
+    def _load(self, plan: LoadPlan) -> tuple[int, int] | None:
         """Read, verify and place; returns the (page, state) bytes placed, or None when the
         restore is refused (then nothing was placed)."""
         if not self._usable():
@@ -202,7 +213,7 @@ class WorkerSide:
             self._place_state(plan, state)
         return placed, len(state) if state is not None else 0
 
-    def _page_spans(self, plan: Any, stored: StoredPages) -> list[tuple[int, int]] | None:
+    def _page_spans(self, plan: LoadPlan, stored: StoredPages) -> list[tuple[int, int]] | None:
         """``(first block, blocks)`` of each stored page, once every page's recorded size
         (and the state's) matches the layout: a manifest that records a huge page is refused
         without mapping or hashing it, before any byte is placed. None: refused."""
@@ -228,7 +239,7 @@ class WorkerSide:
             spans.append((page_first, nblk))
         return spans
 
-    def _place_pages(self, plan: Any, pages: list[tuple[Any, tuple[int, int]]]) -> int:
+    def _place_pages(self, plan: LoadPlan, pages: list[tuple[mmap.mmap, tuple[int, int]]]) -> int:
         """Copy verified pages (each with its ``(first block, blocks)``) into the plan's
         destination blocks [start_block, end); returns the bytes placed."""
         import torch
@@ -258,7 +269,7 @@ class WorkerSide:
                         placed += (hi - lo) * bb
         return placed
 
-    def _place_state(self, plan: Any, state: Any) -> None:
+    def _place_state(self, plan: LoadPlan, state: mmap.mmap) -> None:
         """The recurrent state after block ``end`` goes where vLLM reads it: column end - 1
         of each recurrent group."""
         import torch
@@ -288,7 +299,7 @@ class WorkerSide:
                            "prefix writes it again", exc.digest)
             self._add("objects_quarantined")
 
-    def _stored_pages(self, plan: Any) -> StoredPages | None:
+    def _stored_pages(self, plan: LoadPlan) -> StoredPages | None:
         """The pages to read: those the scheduler's lookup found, when it looked under this
         worker's identity (another tensor-parallel rank has its own entry: it looks it up)."""
         if plan.stored is not None and plan.stored.identity_digest == self.identity_digest:
@@ -303,7 +314,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ capture
 
-    def capture(self, plan: Any) -> None:
+    def capture(self, plan: CapturePlan) -> None:
         """A finished request's capture: copy the pages out now (its blocks are free-able
         once ``finished_sending`` reports it) and queue the publication. A hybrid plan (one
         with a state) waits for this step's forward, which writes its state
@@ -319,7 +330,7 @@ class WorkerSide:
         for plan in plans:
             self._capture(plan)
 
-    def _capture(self, plan: Any) -> None:
+    def _capture(self, plan: CapturePlan) -> None:
         if self.slots is None or not self._usable():
             self._settled.append(plan.req_id)
             return
@@ -358,7 +369,7 @@ class WorkerSide:
         self._add("captured_state_bytes", len(state) if state is not None else 0)
         self.slots.submit(ticket, _PublishJob(list(plan.keys), pages, state), tag=plan.req_id)
 
-    def _publish(self, job: _PublishJob) -> Any:
+    def _publish(self, job: _PublishJob) -> PublishResult:
         result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp,
                                     state=job.state)
         self.samples.add("publication_seconds", result.duration_s)

@@ -35,6 +35,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -424,17 +425,7 @@ def required_reports(base: str) -> list[tuple[str, tuple[str, ...]]]:
     if _kind(manifests) != "dir":
         out.append((manifests, ()))
     else:
-        for idd in sorted(os.listdir(manifests)):
-            idir = os.path.join(manifests, idd)
-            if not _is_hex(idd, 32):
-                continue
-            if _kind(idir) != "dir":
-                out.append((idir, ()))
-                continue
-            try:
-                names = sorted(os.listdir(idir))
-            except OSError:
-                continue
+        for idd, idir, names in _subdirs(manifests, lambda n: _is_hex(n, 32), out):
             for name in names:
                 stem = name[:-3]
                 if not name.endswith(".mf") or not _is_hex(stem, 40):
@@ -459,21 +450,29 @@ def required_reports(base: str) -> list[tuple[str, tuple[str, ...]]]:
     if _kind(objects) != "dir":
         out.append((objects, ()))
     else:
-        for shard in sorted(os.listdir(objects)):
-            spath = os.path.join(objects, shard)
-            if not _is_hex(shard, 2):
-                continue
-            if _kind(spath) != "dir":
-                out.append((spath, ()))
-                continue
-            try:
-                names = sorted(os.listdir(spath))
-            except OSError:
-                continue
+        for _, spath, names in _subdirs(objects, lambda n: _is_hex(n, 2), out):
             for name in names:
                 if _is_hex(name, 62) and _kind(os.path.join(spath, name)) != "file":
                     out.append((os.path.join(spath, name), ()))
     return list(dict.fromkeys(out))
+
+
+def _subdirs(top: str, named: Callable[[str], bool], out: list):
+    """(name, path, sorted entries) of each entry of ``top`` whose name ``named`` accepts and
+    that is a directory; one that is not a directory goes to ``out`` (verify must report it),
+    an unreadable one is skipped."""
+    for name in sorted(os.listdir(top)):
+        path = os.path.join(top, name)
+        if not named(name):
+            continue
+        if _kind(path) != "dir":
+            out.append((path, ()))
+            continue
+        try:
+            entries = sorted(os.listdir(path))
+        except OSError:
+            continue
+        yield name, path, entries
 
 
 def _object_ok(path: str, digest: str, size: int) -> bool:
