@@ -23,15 +23,23 @@ from contracts.upstream import CI_SUBSET, EXPECTED, FULL, UpstreamRun, compare, 
 SDIST_ROOT = REPO / ".cache" / "sdist" / "vllm-0.32.0"
 
 
+def run_tree(label: str, paths: tuple[str, ...], work: Path, timeout: int = 3600) -> UpstreamRun:
+    """Upstream's tests under paths on one tree: "pristine" (the installed vLLM) or "transformed"."""
+    scratch = work / "scratch"
+    if not scratch.exists():
+        scratch_copy(SDIST_ROOT, scratch)
+    tree = build_transformed_tree(work / "transformed") if label == "transformed" else None
+    return run_pytest(label, scratch, paths, tree_env(tree), timeout)
+
+
 def run_both(paths: tuple[str, ...], work: Path, timeout: int = 3600) -> tuple[UpstreamRun, UpstreamRun]:
     """Both trees at once (one pytest process each: two cores, half the wall time)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    scratch = scratch_copy(SDIST_ROOT, work / "scratch")
-    tree = build_transformed_tree(work / "transformed")
+    scratch_copy(SDIST_ROOT, work / "scratch")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        pristine = pool.submit(run_pytest, "pristine", scratch, paths, tree_env(None), timeout)
-        transformed = pool.submit(run_pytest, "transformed", scratch, paths, tree_env(tree), timeout)
+        pristine = pool.submit(run_tree, "pristine", paths, work, timeout)
+        transformed = pool.submit(run_tree, "transformed", paths, work, timeout)
         return pristine.result(), transformed.result()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 from transforms import Transform, all_transforms
-from transforms.edits import EditError, apply_edits
+from transforms.edits import Edit, EditError, apply_file
 
 LOCK_PATH = Path(__file__).with_name("vllm-0.32.0.lock.json")
 
@@ -86,21 +86,16 @@ def _transforms_in_lock_order(lock: Lock) -> list[Transform]:
     return [by_id[i] for i in lock.transform_order]
 
 
-def transform_source(relpath: str, source: str, transforms: Iterable[Transform]) -> str:
-    """Apply every transform's edits for relpath, in order."""
-    for transform in transforms:
-        edits = transform.edits.get(relpath, ())
-        if edits:
-            source = apply_edits(source, edits, where=f"{relpath} [{transform.id}]")
-    return source
+def _groups(relpath: str, transforms: Iterable[Transform]) -> list[tuple[str, tuple[Edit, ...]]]:
+    return [(f"{relpath} [{t.id}]", t.edits[relpath]) for t in transforms if t.edits.get(relpath)]
 
 
 def _transform_checked(relpath: str, source: str, transforms: list[Transform]) -> str:
-    out = transform_source(relpath, source, transforms)
-    again = transform_source(relpath, out, transforms)
-    if again != out:
-        raise TransformError(f"{relpath}: a second pass of the transforms changed the file again; they must be idempotent")
-    return out
+    """Every transform's edits for relpath, in order, in one parse; refused unless a second pass would change nothing."""
+    try:
+        return apply_file(source, _groups(relpath, transforms))
+    except EditError as exc:
+        raise TransformError(str(exc)) from None
 
 
 def file_statuses(tree: Path, lock: Lock) -> list[FileStatus]:
@@ -171,10 +166,7 @@ def plan(tree: Path, lock: Lock | None = None) -> dict[str, tuple[str, str]]:
         if s.state == "postimage":
             result[f.path] = (before, before)
             continue
-        try:
-            after = _transform_checked(f.path, before, transforms)
-        except EditError as exc:
-            raise TransformError(str(exc)) from None
+        after = _transform_checked(f.path, before, transforms)
         got = sha256_bytes(after.encode())
         if got != f.postimage_sha256:
             raise TransformError(

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,25 +54,41 @@ def tree_env(tree: Path | None) -> dict[str, str]:
     return env
 
 
-def run_scenario(tree: Path | None, module: str, **kwargs) -> dict:
-    """Run ``module.run(**kwargs)`` in a fresh interpreter against tree (None: pristine); return its JSON."""
+def run_scenarios(tree: Path | None, calls: Sequence[tuple[str, dict]]) -> list[dict]:
+    """Run each ``module.run(**kwargs)`` of calls, in order, in one fresh interpreter against tree
+    (None: pristine); return their JSON results. Each call builds its own Scheduler, so one
+    interpreter (one vLLM import) serves them all."""
     code = (
         "import json, sys, importlib\n"
         "if __name__ == '__main__':\n"
-        f"    mod = importlib.import_module({module!r})\n"
-        f"    result = mod.run(**json.loads({json.dumps(json.dumps(kwargs))}))\n"
         "    import vllm.v1.core.sched.scheduler as s\n"
-        "    result['_scheduler_file'] = s.__file__\n"
-        "    print('SCENARIO-RESULT ' + json.dumps(result))\n"
+        "    print('SCENARIO-FILE ' + s.__file__)\n"
+        "    for module, kwargs in json.loads(sys.stdin.read()):\n"
+        "        result = importlib.import_module(module).run(**kwargs)\n"
+        "        print('SCENARIO-RESULT ' + json.dumps(result), flush=True)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=tree_env(tree), capture_output=True, text=True, timeout=600, cwd=REPO
+        [sys.executable, "-c", code],
+        input=json.dumps([[module, kwargs] for module, kwargs in calls]),
+        env=tree_env(tree),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("SCENARIO-RESULT "):
-            result = json.loads(line[len("SCENARIO-RESULT ") :])
-            expected_root = str(tree) if tree is not None else str(installed_site_packages())
-            if not result["_scheduler_file"].startswith(expected_root):
-                raise RuntimeError(f"scenario {module} ran vLLM's scheduler from {result['_scheduler_file']}, not from {expected_root}")
-            return result
-    raise RuntimeError(f"scenario {module} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    lines = proc.stdout.splitlines()
+    files = [line[len("SCENARIO-FILE ") :] for line in lines if line.startswith("SCENARIO-FILE ")]
+    results = [json.loads(line[len("SCENARIO-RESULT ") :]) for line in lines if line.startswith("SCENARIO-RESULT ")]
+    names = ", ".join(sorted({module for module, _ in calls}))
+    if proc.returncode != 0 or len(results) != len(calls):
+        failed = calls[len(results)][0] if len(results) < len(calls) else names
+        raise RuntimeError(f"scenario {failed} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    expected_root = str(tree) if tree is not None else str(installed_site_packages())
+    if not files or not files[0].startswith(expected_root):
+        raise RuntimeError(f"scenarios {names} ran vLLM's scheduler from {files}, not from {expected_root}")
+    return results
+
+
+def run_scenario(tree: Path | None, module: str, **kwargs) -> dict:
+    """Run ``module.run(**kwargs)`` in a fresh interpreter against tree (None: pristine); return its JSON."""
+    return run_scenarios(tree, [(module, kwargs)])[0]

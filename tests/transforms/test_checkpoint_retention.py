@@ -1,4 +1,4 @@
-"""checkpoint_retention: the fixture edits, and vLLM's real Scheduler on both trees.
+"""checkpoint_retention: vLLM's real Scheduler on both trees.
 
 Measured on vLLM 0.32.0 (block size 16, hybrid FA + Mamba align; prompt 40,
 the next turn's prompt = prompt + the previous output + 20 new tokens):
@@ -20,28 +20,29 @@ is empty).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from transforms.checkpoint_retention import DROP_KEY, RETAIN_KEY, SCHEDULER, SINGLE_TYPE, TRANSFORM
-from transforms.engine import transform_source
-from transforms.trees import run_scenario
 
 pytestmark = [pytest.mark.slow]
 
-FIXTURES = Path(__file__).parent / "fixtures" / "checkpoint_retention"
 SCENARIO = "transforms.scenarios.checkpoint_retention"
-
-
-@pytest.mark.parametrize(
-    ("relpath", "folder"), [(SCHEDULER, "scheduler"), (SINGLE_TYPE, "single_type_kv_cache_manager")]
-)
-def test_fixture_before_to_after_and_idempotent(relpath, folder):
-    before = (FIXTURES / folder / "before.py").read_text()
-    after = (FIXTURES / folder / "after.py").read_text()
-    assert transform_source(relpath, before, [TRANSFORM]) == after
-    assert transform_source(relpath, after, [TRANSFORM]) == after
+OPTION_CONFIGS = [
+    {RETAIN_KEY: "yes"},  # accepted as true before the one table
+    {RETAIN_KEY: True, DROP_KEY: "no"},
+    {DROP_KEY: "true"},  # checked even without the first key
+    {RETAIN_KEY: 1},
+    {RETAIN_KEY: True},
+    {RETAIN_KEY: True, DROP_KEY: True},
+    {RETAIN_KEY: False, DROP_KEY: True},
+    {DROP_KEY: True},
+]
+SCENARIO_CALLS = [
+    ("pristine", SCENARIO, {"options_on": False}),
+    ("transformed", SCENARIO, {"options_on": True}),
+    ("transformed", SCENARIO, {"options_on": False}),
+    ("transformed", SCENARIO, {"options_on": True, "config_values": OPTION_CONFIGS}),
+]
 
 
 def test_transform_note_and_keys():
@@ -65,10 +66,8 @@ def _summary(case: dict) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def pristine():
-    result = run_scenario(None, SCENARIO, options_on=False)
-    result.pop("_scheduler_file")
-    return result
+def pristine(scenario):
+    return scenario("pristine", SCENARIO, options_on=False)
 
 
 def test_pristine_loses_the_decode_checkpoint(pristine):
@@ -81,9 +80,8 @@ def test_pristine_loses_the_decode_checkpoint(pristine):
     assert all(not case["decode_states_invalid"] for case in pristine.values() if isinstance(case, dict))
 
 
-def test_transformed_keeps_the_newest_decode_checkpoint(transformed_tree, pristine):
-    on = run_scenario(transformed_tree, SCENARIO, options_on=True)
-    assert on.pop("_scheduler_file").startswith(str(transformed_tree))
+def test_transformed_keeps_the_newest_decode_checkpoint(scenario, pristine):
+    on = scenario("transformed", SCENARIO, options_on=True)
     # Retention 0 + both keys: 48 kept then dropped when 64 supersedes it; hit 64 like dense.
     assert _summary(on["retention_0"]) == ([32, 64], (64, 64), 64, 0, 64)
     # The run ends with the state at 64 in its running block; it survives _connector_finished
@@ -97,24 +95,13 @@ def test_transformed_keeps_the_newest_decode_checkpoint(transformed_tree, pristi
     assert all(not case["decode_states_invalid"] for case in on.values() if isinstance(case, dict))
 
 
-def test_transformed_with_options_off_is_upstream(transformed_tree, pristine):
-    off = run_scenario(transformed_tree, SCENARIO, options_on=False)
-    assert off.pop("_scheduler_file").startswith(str(transformed_tree))
+def test_transformed_with_options_off_is_upstream(scenario, pristine):
+    off = scenario("transformed", SCENARIO, options_on=False)
     assert off == pristine
 
 
-def test_option_values_parsed_by_the_settings_table(transformed_tree):
-    configs = [
-        {RETAIN_KEY: "yes"},  # accepted as true before the one table
-        {RETAIN_KEY: True, DROP_KEY: "no"},
-        {DROP_KEY: "true"},  # checked even without the first key
-        {RETAIN_KEY: 1},
-        {RETAIN_KEY: True},
-        {RETAIN_KEY: True, DROP_KEY: True},
-        {RETAIN_KEY: False, DROP_KEY: True},
-        {DROP_KEY: True},
-    ]
-    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=configs)
+def test_option_values_parsed_by_the_settings_table(scenario):
+    result = scenario("transformed", SCENARIO, options_on=True, config_values=OPTION_CONFIGS)
     assert result["absent"] == {"error": None, "read": [False, False]}
     assert result["sparkcache_imported_without_options"] is False
     errors = [r["error"] for r in result["readings"][:4]]

@@ -7,21 +7,20 @@ and once on the transformed tree with every option on, each in its own process.
 
 import pytest
 
-from transforms.trees import run_scenario
-
 pytestmark = [pytest.mark.slow]
 
 SCENARIO = "transforms.scenarios.growing_conversation"
+SCENARIO_CALLS = [("pristine", SCENARIO, {"options_on": False}), ("transformed", SCENARIO, {"options_on": True})]
 
 
 @pytest.fixture(scope="module")
-def pristine():
-    return run_scenario(None, SCENARIO, options_on=False)
+def pristine(scenario):
+    return scenario("pristine", SCENARIO, options_on=False)
 
 
 @pytest.fixture(scope="module")
-def transformed(transformed_tree):
-    return run_scenario(transformed_tree, SCENARIO, options_on=True)
+def transformed(scenario):
+    return scenario("transformed", SCENARIO, options_on=True)
 
 
 def test_pristine_loses_local_hits_although_attention_blocks_survive(pristine):

@@ -1,4 +1,4 @@
-"""lease_accounting: the fixture edits, and vLLM's real Scheduler on both trees.
+"""lease_accounting: vLLM's real Scheduler on both trees.
 
 Measured on vLLM 0.32.0 (block size 16, hybrid FA + Mamba align, retention 0,
 100 blocks; prompt range(100, 180), 5 output tokens, ProbeConnector delaying
@@ -26,30 +26,22 @@ transformed ignored and counted.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 
-from transforms.engine import transform_source
 from transforms.lease_accounting import LEASE_KEY, SCHEDULER, SINGLE_TYPE, STATS, TRANSFORM
-from transforms.trees import run_scenario
 
 pytestmark = [pytest.mark.slow]
 
-FIXTURES = Path(__file__).parent / "fixtures" / "lease_accounting"
 SCENARIO = "transforms.scenarios.lease_accounting"
-
-
-@pytest.mark.parametrize(
-    ("relpath", "folder"),
-    [(SCHEDULER, "scheduler"), (SINGLE_TYPE, "single_type_kv_cache_manager"), (STATS, "stats")],
-)
-def test_fixture_before_to_after_and_idempotent(relpath, folder):
-    before = (FIXTURES / folder / "before.py").read_text()
-    after = (FIXTURES / folder / "after.py").read_text()
-    assert before != after
-    assert transform_source(relpath, before, [TRANSFORM]) == after
-    assert transform_source(relpath, after, [TRANSFORM]) == after
+# The injected code calls sparkcache.settings.transform_option: the connector's own row.
+LEASE_VALUES = [float("nan"), float("inf"), "5", True, None, 0, -1, "soon", 0.0001, 86401, 2.5, 30]
+SCENARIO_CALLS = [
+    ("pristine", SCENARIO, {"options_on": False}),
+    ("transformed", SCENARIO, {"options_on": True}),
+    ("transformed", SCENARIO, {"options_on": False}),
+    ("transformed", SCENARIO, {"options_on": True, "config_values": LEASE_VALUES}),
+]
 
 
 def test_transform_note_and_keys():
@@ -60,17 +52,13 @@ def test_transform_note_and_keys():
 
 
 @pytest.fixture(scope="module")
-def pristine():
-    result = run_scenario(None, SCENARIO, options_on=False)
-    result.pop("_scheduler_file")
-    return result
+def pristine(scenario):
+    return scenario("pristine", SCENARIO, options_on=False)
 
 
 @pytest.fixture(scope="module")
-def leased(transformed_tree):
-    result = run_scenario(transformed_tree, SCENARIO, options_on=True)
-    result.pop("_scheduler_file")
-    return result
+def leased(scenario):
+    return scenario("transformed", SCENARIO, options_on=True)
 
 
 def test_pristine_evicts_the_retired_checkpoint_first(pristine):
@@ -145,19 +133,17 @@ def _counters(result: dict) -> dict:
     }
 
 
-def test_option_absent_is_upstream(transformed_tree, pristine):
-    off = run_scenario(transformed_tree, SCENARIO, options_on=False)
-    off.pop("_scheduler_file")
+def test_option_absent_is_upstream(scenario, pristine):
+    off = scenario("transformed", SCENARIO, options_on=False)
     assert set(_counters(off).values()) == {0}  # nothing leased, expired or ignored
     upstream = copy.deepcopy(pristine)
     assert set(_counters(upstream).values()) == {None}
     assert off == upstream
 
 
-def test_lease_values_parsed_by_the_settings_table(transformed_tree):
-    # The injected code calls sparkcache.settings.transform_option: the connector's own row.
-    values = [float("nan"), float("inf"), "5", True, None, 0, -1, "soon", 0.0001, 86401, 2.5, 30]
-    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=values)
+def test_lease_values_parsed_by_the_settings_table(scenario):
+    values = LEASE_VALUES
+    result = scenario("transformed", SCENARIO, options_on=True, config_values=values)
     assert result["absent"] == {"error": None, "read": None}  # upstream: no deadline
     assert result["sparkcache_imported_without_options"] is False
     readings = dict(zip(map(repr, values), result["readings"]))

@@ -1,4 +1,4 @@
-"""prefer_local_prefix: the fixture edit, and vLLM's real Scheduler on both trees.
+"""prefer_local_prefix: vLLM's real Scheduler on both trees.
 
 Measured on vLLM 0.32.0 (block size 16, hybrid FA + Mamba align, retention 0;
 attention resident to 64, Mamba state only at 16, a 100-token continuation):
@@ -25,26 +25,21 @@ transformed, option on
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from transforms.engine import transform_source
 from transforms.prefer_local_prefix import KEY, TRANSFORM
-from transforms.trees import run_scenario
 
 pytestmark = [pytest.mark.slow]
 
-FIXTURES = Path(__file__).parent / "fixtures" / "prefer_local_prefix"
-RELPATH = "vllm/v1/core/sched/scheduler.py"
 SCENARIO = "transforms.scenarios.prefer_local_prefix"
-
-
-def test_fixture_before_to_after_and_idempotent():
-    before = (FIXTURES / "before.py").read_text()
-    after = (FIXTURES / "after.py").read_text()
-    assert transform_source(RELPATH, before, [TRANSFORM]) == after
-    assert transform_source(RELPATH, after, [TRANSFORM]) == after
+# The string "false" used to turn the transform on (bool("false")); now only JSON booleans.
+OPTION_VALUES = ["false", "true", "", 0, 1, None, True, False]
+SCENARIO_CALLS = [
+    ("pristine", SCENARIO, {"options_on": False}),
+    ("transformed", SCENARIO, {"options_on": True}),
+    ("transformed", SCENARIO, {"options_on": False}),
+    ("transformed", SCENARIO, {"options_on": True, "config_values": OPTION_VALUES}),
+]
 
 
 def test_transform_note_and_key():
@@ -54,10 +49,8 @@ def test_transform_note_and_key():
 
 
 @pytest.fixture(scope="module")
-def pristine():
-    result = run_scenario(None, SCENARIO, options_on=False)
-    result.pop("_scheduler_file")
-    return result
+def pristine(scenario):
+    return scenario("pristine", SCENARIO, options_on=False)
 
 
 def _hit(case: dict) -> tuple[int, int, int, int]:
@@ -81,9 +74,8 @@ def test_pristine_reloads_resident_attention(pristine):
     assert all(case["valid"] for case in pristine.values())
 
 
-def test_transformed_prefers_local_attention_depth(transformed_tree, pristine):
-    on = run_scenario(transformed_tree, SCENARIO, options_on=True)
-    assert on.pop("_scheduler_file").startswith(str(transformed_tree))
+def test_transformed_prefers_local_attention_depth(scenario, pristine):
+    on = scenario("transformed", SCENARIO, options_on=True)
     for path in ("default", "divergent"):
         # Store past the local depth: only (64, 80] is loaded; nothing resident is reloaded.
         assert _hit(on[f"store80_{path}"]) == (64, 16, 4, 80)
@@ -107,16 +99,14 @@ def test_transformed_prefers_local_attention_depth(transformed_tree, pristine):
         assert case["resume"] >= pristine[name]["resume"], name
 
 
-def test_transformed_option_off_is_upstream(transformed_tree, pristine):
-    off = run_scenario(transformed_tree, SCENARIO, options_on=False)
-    assert off.pop("_scheduler_file").startswith(str(transformed_tree))
+def test_transformed_option_off_is_upstream(scenario, pristine):
+    off = scenario("transformed", SCENARIO, options_on=False)
     assert off == pristine
 
 
-def test_option_values_parsed_by_the_settings_table(transformed_tree):
-    # The string "false" used to turn the transform on (bool("false")); now only JSON booleans.
-    values = ["false", "true", "", 0, 1, None, True, False]
-    result = run_scenario(transformed_tree, SCENARIO, options_on=True, config_values=values)
+def test_option_values_parsed_by_the_settings_table(scenario):
+    values = OPTION_VALUES
+    result = scenario("transformed", SCENARIO, options_on=True, config_values=values)
     assert result["absent"] == {"error": None, "read": False}
     assert result["sparkcache_imported_without_options"] is False
     readings = dict(zip(map(repr, values), result["readings"]))

@@ -228,10 +228,16 @@ def option_readings(configs: list[dict[str, Any]], read: Callable[[Any], Any], *
             return {"error": str(exc), "read": None}
         return {"error": None, "read": read(scheduler)}
 
+    # Another scenario in this interpreter may have imported it already: take it out of
+    # sys.modules, so that only an import by this Scheduler puts it back.
+    earlier = sys.modules.pop("sparkcache.settings", None)
     absent = reading({})
+    imported = "sparkcache.settings" in sys.modules
+    if earlier is not None and not imported:
+        sys.modules["sparkcache.settings"] = earlier
     return {
         "absent": absent,
-        "sparkcache_imported_without_options": "sparkcache.settings" in sys.modules,
+        "sparkcache_imported_without_options": imported,
         "readings": [reading(extra) for extra in configs],
     }
 
