@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from .store.results import LOOKUP_MISSES, PUBLISH_FAILURES
+from .store.reasons import LOOKUP_MISSES, PUBLISH_FAILURES, Reason
 
 P = "vllm:sparkcache_"
 
@@ -73,7 +73,7 @@ class StoreMetrics:
             self._publish_failures.labels(self.rank, result.reason).inc()
 
     def on_lookup(self, result: Any) -> None:
-        if result.reason != "hit":
+        if result.reason != Reason.HIT:
             self._lookup_misses.labels(self.rank, result.reason).inc()
 
     def on_pass_start(self) -> None:

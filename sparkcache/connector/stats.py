@@ -15,7 +15,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                   KVConnectorStats)
 
-from sparkcache.store.results import PUBLISH_FAILURES
+from sparkcache.store.reasons import PUBLISH_FAILURES
 
 from .samples import MAX_SAMPLES
 from .scheduler_side import SKIP_REASONS

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from sparkcache.store import cpus
 from sparkcache.store.manifests import pages_needed
-from sparkcache.store.objects import CORRUPT, ObjectError
+from sparkcache.store.objects import ObjectError
+from sparkcache.store.reasons import Reason
 
 from .capture_slots import CaptureSlots
 from .kv_layout import KVLayout, LayoutKind
@@ -199,12 +200,9 @@ class WorkerSide:
             return None
         wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
         try:
-            pages = self.store.objects.read_many_verified(wanted, mapped=True,
-                                                          parallel=self.read_in_parallel)
+            pages = self.store.read_pages(wanted, mapped=True, parallel=self.read_in_parallel)
         except ObjectError as exc:
             logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
-            if self.store.metrics is not None:
-                self.store.metrics._lookup_misses.labels(self.store.metrics.rank, exc.reason).inc()
             self._quarantine(exc, stored)
             return None
         state = pages.pop() if self.layout.has_state else None
@@ -290,11 +288,11 @@ class WorkerSide:
         prefix writes it anew and the restore after it succeeds (a corrupt object whose name
         is taken would otherwise be refused on every later restore). restore-only writes
         nothing."""
-        if exc.reason != CORRUPT or self.slots is None:
+        if exc.reason != Reason.CORRUPT or self.slots is None:
             return
         size = next((p.size for p in (*stored.pages, stored.state) if p is not None
                      and p.digest == exc.digest), None)
-        if size is not None and self.store.objects.discard_corrupt(exc.digest, size):
+        if size is not None and self.store.discard_corrupt(exc.digest, size):
             logger.warning("sparkcache: removed corrupt page object %s; the next capture of its "
                            "prefix writes it again", exc.digest)
             self._add("objects_quarantined")

@@ -24,6 +24,7 @@ from typing import Any
 
 from .identity import Identity, entry_id_for
 from .layout import is_entry_id, is_object_digest
+from .reasons import Reason
 
 MAGIC = b"SPKM1 "
 FORMAT = 2  # 2: page objects named by BLAKE3 (1, never released: sha256)
@@ -40,9 +41,9 @@ _LATEST_TIME = 1 << 36  # seconds: year 4147; a later created_at is not a time t
 class ManifestError(ValueError):
     """A manifest cannot be trusted. ``reason`` is ``corrupt`` (or ``unsafe_path``)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: Reason, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason = Reason(reason)
         self.detail = detail
 
 
@@ -111,22 +112,22 @@ def decode(data: bytes, *, expected_entry_id: str | None = None,
     """Parse and validate; raises ``ManifestError`` for anything that does not check out."""
     header_len = len(MAGIC) + 64 + 1
     if len(data) < header_len or not data.startswith(MAGIC) or data[header_len - 1:header_len] != b"\n":
-        raise ManifestError("corrupt", "bad header (truncated or not a sparkcache manifest)")
+        raise ManifestError(Reason.CORRUPT, "bad header (truncated or not a sparkcache manifest)")
     body = data[header_len:]
     if hashlib.sha256(body).hexdigest().encode() != data[len(MAGIC):header_len - 1]:
-        raise ManifestError("corrupt", "body does not match its checksum")
+        raise ManifestError(Reason.CORRUPT, "body does not match its checksum")
     if _nesting(body) > _MAX_NESTING:
-        raise ManifestError("corrupt", f"JSON nested deeper than {_MAX_NESTING} levels")
+        raise ManifestError(Reason.CORRUPT, f"JSON nested deeper than {_MAX_NESTING} levels")
     try:
         raw = json.loads(body, parse_constant=_refuse_constant)
         if not isinstance(raw, dict):
-            raise ManifestError("corrupt", f"body is a JSON {type(raw).__name__}, not an object")
+            raise ManifestError(Reason.CORRUPT, f"body is a JSON {type(raw).__name__}, not an object")
         return _from_fields(raw, expected_entry_id, expected_identity_digest)
     except ManifestError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, ArithmeticError,
             MemoryError) as exc:
-        raise ManifestError("corrupt", f"bad field: {type(exc).__name__}: {exc}") from None
+        raise ManifestError(Reason.CORRUPT, f"bad field: {type(exc).__name__}: {exc}") from None
 
 
 def _refuse_constant(name: str) -> float:
@@ -153,46 +154,46 @@ def _is_count(value: object) -> bool:
 def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
                  expected_identity_digest: str | None) -> Manifest:
     if raw.get("format") != FORMAT:
-        raise ManifestError("corrupt", f"format {raw.get('format')!r}, this sparkcache reads format "
+        raise ManifestError(Reason.CORRUPT, f"format {raw.get('format')!r}, this sparkcache reads format "
                             f"{FORMAT} (pages named by BLAKE3): delete the manifest or start a new "
                             "SPARKCACHE_NAMESPACE")
     if not isinstance(raw.get("identity"), dict):
-        raise ManifestError("corrupt", "identity must be a JSON object")
+        raise ManifestError(Reason.CORRUPT, "identity must be a JSON object")
     identity = Identity.from_dict(raw["identity"])
     keys = raw.get("block_keys")
     if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
-        raise ManifestError("corrupt", "block_keys must be a non-empty list of strings")
+        raise ManifestError(Reason.CORRUPT, "block_keys must be a non-empty list of strings")
     keys = tuple(keys)
     bpp = raw.get("blocks_per_page")
     if not _is_count(bpp) or bpp == 0:
-        raise ManifestError("corrupt", f"blocks_per_page {bpp!r}")
+        raise ManifestError(Reason.CORRUPT, f"blocks_per_page {bpp!r}")
     if not isinstance(raw.get("pages"), list):
-        raise ManifestError("corrupt", "pages must be a list of [name, size]")
+        raise ManifestError(Reason.CORRUPT, "pages must be a list of [name, size]")
     pages = [_page_ref(item, "page") for item in raw["pages"]]
     state = _page_ref(raw["state"], "state") if raw.get("state") is not None else None
     if len(pages) != pages_needed(len(keys), bpp):
-        raise ManifestError("corrupt", f"{len(pages)} pages for {len(keys)} blocks at {bpp}/page")
+        raise ManifestError(Reason.CORRUPT, f"{len(pages)} pages for {len(keys)} blocks at {bpp}/page")
     entry_id = raw.get("entry_id")
     if not is_entry_id(entry_id) or entry_id != entry_id_for(identity.digest(), keys[-1]):
-        raise ManifestError("corrupt", f"entry id {entry_id!r} does not match identity and blocks")
+        raise ManifestError(Reason.CORRUPT, f"entry id {entry_id!r} does not match identity and blocks")
     if expected_entry_id is not None and entry_id != expected_entry_id:
-        raise ManifestError("corrupt", f"file named {expected_entry_id} holds entry {entry_id}")
+        raise ManifestError(Reason.CORRUPT, f"file named {expected_entry_id} holds entry {entry_id}")
     if expected_identity_digest is not None and identity.digest() != expected_identity_digest:
-        raise ManifestError("corrupt", "identity does not match its directory")
+        raise ManifestError(Reason.CORRUPT, "identity does not match its directory")
     created = raw.get("created_at")
     if (isinstance(created, bool) or not isinstance(created, (int, float))
             or not 0 <= created < _LATEST_TIME):
-        raise ManifestError("corrupt", f"created_at {created!r:.40}")
+        raise ManifestError(Reason.CORRUPT, f"created_at {created!r:.40}")
     return Manifest(entry_id, identity, keys, bpp, tuple(pages), float(created), state)
 
 
 def _page_ref(item: object, what: str) -> PageRef:
     if not isinstance(item, list) or len(item) != 2:
-        raise ManifestError("corrupt", f"{what} {item!r:.80} is not [name, size]")
+        raise ManifestError(Reason.CORRUPT, f"{what} {item!r:.80} is not [name, size]")
     digest, size = item
     if not is_object_digest(digest):
-        raise ManifestError("unsafe_path", f"{what} name {digest!r:.80} is not a BLAKE3 digest "
+        raise ManifestError(Reason.UNSAFE_PATH, f"{what} name {digest!r:.80} is not a BLAKE3 digest "
                             "(paths, '..' and absolute names are refused)")
     if not _is_count(size) or size > MAX_PAGE_BYTES:
-        raise ManifestError("corrupt", f"{what} size {size!r:.40}")
+        raise ManifestError(Reason.CORRUPT, f"{what} size {size!r:.40}")
     return PageRef(digest, size)

@@ -17,23 +17,21 @@ import stat
 
 import blake3
 
+from .reasons import Reason
 from .layout import (StoreLayout, UnsafePathError, occupied, parallel_map, start_writeback, sync_all,
                      write_all)
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
 
-ABSENT = "absent"
-CORRUPT = "corrupt"
-UNREADABLE = "io_error"  # EIO, EACCES: the file may be fine, it cannot be read now
 
 
 class ObjectError(Exception):
     """A page object failed verification. ``reason`` is ``absent``, ``corrupt`` or
     ``io_error`` (it could not be read: EIO, EACCES)."""
 
-    def __init__(self, reason: str, digest: str, detail: str) -> None:
+    def __init__(self, reason: Reason, digest: str, detail: str) -> None:
         super().__init__(f"object {digest}: {reason}: {detail}")
-        self.reason = reason
+        self.reason = Reason(reason)
         self.digest = digest
         self.detail = detail
 
@@ -59,11 +57,11 @@ class ObjectStore:
         try:
             st = self.layout.lstat(self.path(digest))
         except UnsafePathError as exc:
-            raise ObjectError(CORRUPT, digest, str(exc)) from None
+            raise ObjectError(Reason.CORRUPT, digest, str(exc)) from None
         except FileNotFoundError:
-            raise ObjectError(ABSENT, digest, "missing") from None
+            raise ObjectError(Reason.ABSENT, digest, "missing") from None
         except OSError as exc:
-            raise ObjectError(UNREADABLE, digest, str(exc)) from None
+            raise ObjectError(Reason.IO_ERROR, digest, str(exc)) from None
         _check_stat(digest, st, size)
 
     def read_verified(self, digest: str, size: int) -> bytes:
@@ -84,15 +82,15 @@ class ObjectStore:
                 try:
                     chunk = os.read(fd, min(_HASH_CHUNK, size - got))
                 except OSError as exc:
-                    raise ObjectError(UNREADABLE, digest, f"read failed at {got}/{size}: {exc}") from None
+                    raise ObjectError(Reason.IO_ERROR, digest, f"read failed at {got}/{size}: {exc}") from None
                 if not chunk:
-                    raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
+                    raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}")
                 hasher.update(chunk)
                 got += len(chunk)
         finally:
             os.close(fd)
         if hasher.hexdigest() != digest:
-            raise ObjectError(CORRUPT, digest, "bytes do not match their BLAKE3 name")
+            raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
 
     @staticmethod
     def _read_fd(fd: int, digest: str, size: int) -> bytes:
@@ -102,9 +100,9 @@ class ObjectStore:
             try:
                 chunk = os.read(fd, size - got)
             except (OSError, MemoryError) as exc:
-                raise ObjectError(UNREADABLE, digest, f"read failed at {got}/{size}: {exc!r}") from None
+                raise ObjectError(Reason.IO_ERROR, digest, f"read failed at {got}/{size}: {exc!r}") from None
             if not chunk:
-                raise ObjectError(ABSENT, digest, f"truncated while reading at {got}/{size}")
+                raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}")
             chunks.append(chunk)
             got += len(chunk)
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -134,7 +132,7 @@ class ObjectStore:
                 data = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | (_MAP_POPULATE if warm else 0),
                                  prot=mmap.PROT_READ)
             except (OSError, ValueError) as exc:
-                raise ObjectError(ABSENT, digest, f"cannot map {size} bytes: {exc}") from None
+                raise ObjectError(Reason.ABSENT, digest, f"cannot map {size} bytes: {exc}") from None
         finally:
             os.close(fd)
         if not warm and hasattr(data, "madvise"):
@@ -160,11 +158,11 @@ class ObjectStore:
         try:
             fd = self.layout.open_file(self.path(digest), os.O_RDONLY)
         except UnsafePathError as exc:
-            raise ObjectError(CORRUPT, digest, str(exc)) from None
+            raise ObjectError(Reason.CORRUPT, digest, str(exc)) from None
         except FileNotFoundError:
-            raise ObjectError(ABSENT, digest, "missing") from None
+            raise ObjectError(Reason.ABSENT, digest, "missing") from None
         except OSError as exc:
-            raise ObjectError(UNREADABLE, digest, str(exc)) from None
+            raise ObjectError(Reason.IO_ERROR, digest, str(exc)) from None
         try:
             _check_stat(digest, os.fstat(fd), size)
         except ObjectError:
@@ -263,7 +261,7 @@ class ObjectStore:
             self.check_verified(digest, size)
             return False
         except ObjectError as exc:
-            if exc.reason != CORRUPT:
+            if exc.reason != Reason.CORRUPT:
                 return False
         path = self.path(digest)
         try:
@@ -317,15 +315,15 @@ def _in_page_cache(fd: int, size: int) -> bool:
 
 def _check_digest(digest: str, data) -> None:
     if digest_of(data) != digest:
-        raise ObjectError(CORRUPT, digest, "bytes do not match their BLAKE3 name")
+        raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
 
 
 def _check_stat(digest: str, st: os.stat_result, size: int) -> None:
     if stat.S_ISLNK(st.st_mode):
-        raise ObjectError(CORRUPT, digest, "is a symlink; the store never follows symlinks")
+        raise ObjectError(Reason.CORRUPT, digest, "is a symlink; the store never follows symlinks")
     if not stat.S_ISREG(st.st_mode):
-        raise ObjectError(CORRUPT, digest, "not a regular file")
+        raise ObjectError(Reason.CORRUPT, digest, "not a regular file")
     if st.st_size < size:
-        raise ObjectError(ABSENT, digest, f"truncated: {st.st_size} of {size} bytes present")
+        raise ObjectError(Reason.ABSENT, digest, f"truncated: {st.st_size} of {size} bytes present")
     if st.st_size > size:
-        raise ObjectError(CORRUPT, digest, f"{st.st_size} bytes, manifest records {size}")
+        raise ObjectError(Reason.CORRUPT, digest, f"{st.st_size} bytes, manifest records {size}")

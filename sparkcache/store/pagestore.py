@@ -25,8 +25,8 @@ from .objects import ObjectError, ObjectStore
 from .pacing import UnitCosts
 from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
-from .results import (ABSENT, BASE_ABSENT, HIT, LOW_FREE_SPACE, NOT_FOUND, OVER_CAPACITY, PUBLISHED,
-                      CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
+from .reasons import Reason
+from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
 from ..settings import format_bytes
@@ -122,7 +122,7 @@ class PageStore:
         with self._mutex:
             self.index.refresh()
             if self.index.used_bytes > self.max_bytes:
-                return self._failed(OVER_CAPACITY, started, entry_id,
+                return self._failed(Reason.OVER_CAPACITY, started, entry_id,
                                     f"store holds {self.index.used_bytes} bytes, above "
                                     f"max_bytes={self.max_bytes}; maintenance will evict down to "
                                     "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
@@ -133,7 +133,7 @@ class PageStore:
             if self.free_space_deficit(incoming) > 0:
                 # maintenance frees what this publication needed, not only what the floor does
                 self.free_wanted = max(self.free_wanted, incoming)
-                return self._failed(LOW_FREE_SPACE, started, entry_id,
+                return self._failed(Reason.LOW_FREE_SPACE, started, entry_id,
                                     f"the filesystem under {self.layout.base} would keep "
                                     f"{format_bytes(max(0, self.free_bytes() - incoming))} free after "
                                     f"this publication, under SPARKCACHE_MIN_FREE_BYTES="
@@ -142,7 +142,7 @@ class PageStore:
             try:
                 reused_refs = self._resolve_missing_pages(idd, keys, bpp, pages)
             except LookupError as exc:
-                return self._failed(BASE_ABSENT, started, entry_id, str(exc))
+                return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
         staging = Staging(self.layout)
         writer = PublicationWriter(self, staging)
         try:
@@ -155,7 +155,7 @@ class PageStore:
                           encode(manifest), self.layout.manifest_path(idd, entry_id),
                           lambda: self._make_identity_dir(idd))
         except BaseObjectGone as exc:
-            return self._failed(BASE_ABSENT, started, entry_id, str(exc))
+            return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
         except (OSError, UnsafePathError) as exc:  # LockTimeout is an OSError too
             reason, detail = os_failure(exc)
             return self._failed(reason, started, entry_id, detail)
@@ -168,7 +168,7 @@ class PageStore:
             self.index.load(idd, entry_id)
             self.free_wanted = 0
         superseded = self._supersede_shorter(idd, keys)
-        result = PublishResult(True, PUBLISHED, entry_id, "", written, len(refs) - written,
+        result = PublishResult(True, Reason.PUBLISHED, entry_id, "", written, len(refs) - written,
                                bytes_written, superseded, time.monotonic() - started)
         if self.metrics is not None:
             self.metrics.on_publish(result)
@@ -224,7 +224,7 @@ class PageStore:
         except (OSError, UnsafePathError):  # held by another (LockTimeout), or a bad disk
             return ()
 
-    def _failed(self, reason: str, started: float, entry_id: str, detail: str) -> PublishResult:
+    def _failed(self, reason: Reason, started: float, entry_id: str, detail: str) -> PublishResult:
         result = PublishResult(False, reason, entry_id, detail,
                                duration_s=time.monotonic() - started)
         if self.metrics is not None:
@@ -261,7 +261,7 @@ class PageStore:
             if refused is not None:
                 return self._miss(refused.reason, refused.entry_id,
                                   f"manifest {refused.path}: {refused.detail}")
-            return self._miss(NOT_FOUND, None, "no stored prefix for this identity")
+            return self._miss(Reason.NOT_FOUND, None, "no stored prefix for this identity")
         handle = _handle_of(entry)
         pages = list(entry.manifest.pages_for_blocks(depth))
         if with_state:
@@ -277,10 +277,10 @@ class PageStore:
         if lease and not self.read_only:
             lease_id = self.pin(entry.entry_id, idd)
             if lease_id is None:
-                return self._miss(ABSENT, entry.entry_id, "entry was evicted during the lookup")
+                return self._miss(Reason.ABSENT, entry.entry_id, "entry was evicted during the lookup")
         if not self.read_only:
             self._touch(entry)
-        result = LookupResult(depth, entry.entry_id, HIT, "", handle, lease_id)
+        result = LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
         if self.metrics is not None:
             self.metrics.on_lookup(result)
         return result
@@ -311,13 +311,27 @@ class PageStore:
         if not 0 < n_blocks <= handle.block_count:
             raise ValueError(f"read: n_blocks={n_blocks} outside 1..{handle.block_count}")
         try:
-            pages = self.objects.read_many_verified(
-                list(handle.pages[: pages_needed(n_blocks, handle.blocks_per_page)]), mapped=mapped)
+            pages = self.read_pages(handle.pages[: pages_needed(n_blocks, handle.blocks_per_page)], mapped=mapped)
+        except ObjectError as exc:
+            return ReadResult(exc.reason, bad_digest=exc.digest, detail=str(exc))
+        return ReadResult(Reason.HIT, n_blocks, handle.blocks_per_page, tuple(pages))
+
+    def read_pages(self, refs: Sequence[PageRef], *, mapped: bool = False, parallel: bool = True) -> list:
+        """Verified page objects in order (bytes, or read-only mappings with ``mapped``), read on
+        parallel threads or, with ``parallel=False``, on this one. A page that fails is counted
+        as a lookup miss under its reason and raised as ``ObjectError``; nothing unverified is
+        returned."""
+        try:
+            return self.objects.read_many_verified(list(refs), mapped=mapped, parallel=parallel)
         except ObjectError as exc:
             if self.metrics is not None:
-                self.metrics.on_lookup(LookupResult(0, handle.entry_id, exc.reason, str(exc)))
-            return ReadResult(exc.reason, bad_digest=exc.digest, detail=str(exc))
-        return ReadResult(HIT, n_blocks, handle.blocks_per_page, tuple(pages))
+                self.metrics.on_lookup(LookupResult(0, None, exc.reason, str(exc)))
+            raise
+
+    def discard_corrupt(self, digest: str, size: int) -> bool:
+        """Remove a page object found corrupt, so that the next publication of its prefix writes
+        it anew; False when it is no longer there or no longer corrupt."""
+        return self.objects.discard_corrupt(digest, size)
 
     def fetch(self, identity: Identity, block_hashes: Sequence[BlockHash]) -> tuple[LookupResult, ReadResult | None]:
         """Lookup plus verified read of the hit; the read is None on a lookup miss."""
@@ -329,7 +343,7 @@ class PageStore:
         finally:
             self.release(result.lease_id)
 
-    def _miss(self, reason: str, entry_id: str | None, detail: str) -> LookupResult:
+    def _miss(self, reason: Reason, entry_id: str | None, detail: str) -> LookupResult:
         result = LookupResult(0, entry_id, reason, detail)
         if self.metrics is not None:
             self.metrics.on_lookup(result)

@@ -8,54 +8,31 @@ from dataclasses import dataclass
 from .layout import UnsafePathError
 from .locks import LockTimeout
 from .manifests import PageRef
-
-# Lookup / read reasons.
-HIT = "hit"
-NOT_FOUND = "not_found"
-CORRUPT = "corrupt"
-ABSENT = "absent"
-
-# Publication reasons.
-PUBLISHED = "published"
-OVER_CAPACITY = "over_capacity"
-LOW_FREE_SPACE = "low_free_space"  # the filesystem's free space under SPARKCACHE_MIN_FREE_BYTES
-BASE_ABSENT = "base_absent"
-
-# Both: the filesystem or a stuck process stopped the operation (a lookup then misses).
-NO_SPACE = "no_space"  # ENOSPC, EDQUOT
-READ_ONLY_FS = "read_only_fs"  # EROFS
-IO_ERROR = "io_error"  # EIO, EACCES and any other OS error
-LOCK_TIMEOUT = "lock_timeout"  # the gc lock stayed held past the wait bound
-UNSAFE_PATH = "unsafe_path"  # a link or a wrong file kind where a store directory belongs
-
-PUBLISH_FAILURES = (OVER_CAPACITY, LOW_FREE_SPACE, BASE_ABSENT, NO_SPACE, READ_ONLY_FS, IO_ERROR, LOCK_TIMEOUT,
-                    UNSAFE_PATH)
-LOOKUP_MISSES = (NOT_FOUND, CORRUPT, ABSENT, NO_SPACE, READ_ONLY_FS, IO_ERROR, LOCK_TIMEOUT,
-                 UNSAFE_PATH)
+from .reasons import Reason
 
 _FIXES = {
-    NO_SPACE: "free space on the filesystem holding the store, or set SPARKCACHE_MAX_BYTES "
+    Reason.NO_SPACE: "free space on the filesystem holding the store, or set SPARKCACHE_MAX_BYTES "
               "below its free space",
-    READ_ONLY_FS: "remount the store read-write, or set SPARKCACHE_ACCESS_MODE=restore-only",
-    IO_ERROR: "check the store directory and the disk (dmesg)",
-    LOCK_TIMEOUT: "another process holds the store's lock without progress (stopped? hung "
+    Reason.READ_ONLY_FS: "remount the store read-write, or set SPARKCACHE_ACCESS_MODE=restore-only",
+    Reason.IO_ERROR: "check the store directory and the disk (dmesg)",
+    Reason.LOCK_TIMEOUT: "another process holds the store's lock without progress (stopped? hung "
                   "on a disk?); find it with `fuser <root>/<namespace>/locks/gc.lock`",
-    UNSAFE_PATH: "run `sparkcache verify` and remove the links or files it lists",
+    Reason.UNSAFE_PATH: "run `sparkcache verify` and remove the links or files it lists",
 }
 
 
-def os_failure(exc: BaseException) -> tuple[str, str]:
+def os_failure(exc: BaseException) -> tuple[Reason, str]:
     """(reason, detail with the fix) for an error the filesystem or the lock raised."""
     if isinstance(exc, LockTimeout):
-        reason = LOCK_TIMEOUT
+        reason = Reason.LOCK_TIMEOUT
     elif isinstance(exc, UnsafePathError):
-        reason = UNSAFE_PATH
+        reason = Reason.UNSAFE_PATH
     elif getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-        reason = NO_SPACE
+        reason = Reason.NO_SPACE
     elif getattr(exc, "errno", None) == errno.EROFS:
-        reason = READ_ONLY_FS
+        reason = Reason.READ_ONLY_FS
     else:
-        reason = IO_ERROR
+        reason = Reason.IO_ERROR
     return reason, f"{exc}; {_FIXES[reason]}"
 
 
@@ -79,14 +56,17 @@ class LookupResult:
 
     hit_blocks: int
     entry_id: str | None
-    reason: str
+    reason: Reason
     detail: str = ""
     handle: EntryHandle | None = None
     lease_id: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", Reason(self.reason))
+
     @property
     def hit(self) -> bool:
-        return self.reason == HIT and self.hit_blocks > 0
+        return self.reason == Reason.HIT and self.hit_blocks > 0
 
 
 @dataclass(frozen=True)
@@ -95,16 +75,19 @@ class ReadResult:
     ``pages`` is empty unless ``reason == "hit"``; bytes are never returned unverified.
     ``pages`` holds ``bytes``, or read-only ``mmap`` objects from ``read(..., mapped=True)``."""
 
-    reason: str
+    reason: Reason
     blocks: int = 0
     blocks_per_page: int = 0
     pages: tuple[bytes, ...] = ()
     bad_digest: str | None = None
     detail: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", Reason(self.reason))
+
     @property
     def ok(self) -> bool:
-        return self.reason == HIT
+        return self.reason == Reason.HIT
 
 
 @dataclass(frozen=True)
@@ -113,7 +96,7 @@ class PublishResult:
     ``base_absent``), with the fix in ``detail``; nothing partially published is visible."""
 
     ok: bool
-    reason: str
+    reason: Reason
     entry_id: str | None = None
     detail: str = ""
     pages_written: int = 0
@@ -121,6 +104,9 @@ class PublishResult:
     bytes_written: int = 0
     superseded: tuple[str, ...] = ()
     duration_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", Reason(self.reason))
 
 
 @dataclass(frozen=True)

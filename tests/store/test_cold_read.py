@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from bench.page_cache import evict
-from sparkcache.store.objects import CORRUPT, ObjectError
+from sparkcache.store.objects import ObjectError
+from sparkcache.store.reasons import Reason
 from store_helpers import IDENT, conv_keys, conv_pages, open_store
 
 N_BLOCKS, BPP, BLOCK_BYTES = 40, 4, 64 << 10  # 10 pages of 256 KiB
@@ -43,4 +44,4 @@ def test_cold_mapped_read_refuses_a_flipped_byte(stored, parallel):
     evict([store.objects.path(ref.digest) for ref in handle.pages])  # raises unless all cold
     with pytest.raises(ObjectError) as exc:
         store.objects.read_many_verified(list(handle.pages), mapped=True, parallel=parallel)
-    assert exc.value.reason == CORRUPT and exc.value.digest == bad.digest
+    assert exc.value.reason == Reason.CORRUPT and exc.value.digest == bad.digest
