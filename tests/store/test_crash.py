@@ -8,6 +8,7 @@ maintenance too.
 
 import os
 import random
+import select
 import signal
 import time
 
@@ -42,6 +43,19 @@ def _child(root: str, state: dict, seed: int, wfd: int) -> None:
         os._exit(0)
 
 
+def _wait_for_lines(fd: int, count: int, timeout_s: float = 60.0) -> bytes:
+    """What fd gave until count complete lines arrived."""
+    buf = b""
+    deadline = time.monotonic() + timeout_s
+    while (got := buf.count(b"\n")) < count:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"the publishing child reported {got} of {count} publications in {timeout_s} s"
+        chunk = os.read(fd, 4096)
+        assert chunk, "the publishing child exited"
+        buf += chunk
+    return buf
+
+
 def _check_conversation(store, conv: int, complete: int) -> None:
     if complete:
         lookup, read = store.fetch(IDENT, conv_keys(conv, complete))
@@ -73,11 +87,14 @@ def test_sigkill_publisher_at_random_points(tmp_path):
             os.close(rfd)
             _child(root, state, rng.randrange(1 << 30), wfd)
         os.close(wfd)
-        time.sleep(rng.uniform(0.0, 0.08))
+        # Kill after the child reported 0-2 publications (its own progress, not the machine's
+        # speed), then at a random moment up to 20 ms into what it does next.
+        reported = _wait_for_lines(rfd, rng.randrange(3))
+        time.sleep(rng.uniform(0.0, 0.02))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         with os.fdopen(rfd, "rb") as pipe:
-            lines = pipe.read().decode().split("\n")[:-1]  # a cut-off last line is not complete
+            lines = (reported + pipe.read()).decode().split("\n")[:-1]  # a cut-off last line is not complete
         before = dict(state)
         for line in lines:
             conv, n = map(int, line.split())
