@@ -5,7 +5,7 @@
 
 One ``vllm serve`` (the OpenAI server on 127.0.0.1, vLLM's own engine-core and worker
 processes, compiled, as operators run it) per phase, all on one store root, with the bench
-model (``sparkcache.tinymodel.BENCH``: hidden 1024, 8 layers, bf16, 8 KiB of KV per token).
+model (``testing.tinymodel.BENCH``: hidden 1024, 8 layers, bf16, 8 KiB of KV per token).
 Phases alternate the connector's access mode, the order flipped every cycle (read-write,
 restore-only | restore-only, read-write | ...), so drift of a shared machine hits both alike:
 
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             args.probe_tokens + args.probe_output > args.max_model_len:
         raise SystemExit(f"--conversation-tokens / --probe-tokens plus their output exceed --max-model-len "
                          f"{args.max_model_len}")
-    from sparkcache.tinymodel import BENCH, make_tiny_model
+    from testing.tinymodel import BENCH, make_tiny_model
 
     model = make_tiny_model(BENCH)
     args.out.mkdir(parents=True, exist_ok=True)

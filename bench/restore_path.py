@@ -5,7 +5,7 @@ into KV tensors laid out as vLLM's CPU backend hands them over, split into its p
         [--reps 5] [--cold]
 
 Real parts: sparkcache's worker half (``WorkerSide``) and store on disk, vLLM 0.32.0's KV
-cache config types, torch tensors of ``sparkcache.tinymodel.BENCH``'s shape (8 layers, 4 KV
+cache config types, torch tensors of ``testing.tinymodel.BENCH``'s shape (8 layers, 4 KV
 heads of 64, bf16, 32-token blocks: 8 KiB per token). Per size one prompt is captured and
 published through the worker (as the engine does), then, ``--reps`` times each, timed on
 this thread:
@@ -48,7 +48,7 @@ def _worker(root: str, num_blocks: int):
     from sparkcache.connector.worker_side import WorkerSide
     from sparkcache.settings import load_settings
     from sparkcache.store import Identity
-    from sparkcache.tinymodel import BENCH
+    from testing.tinymodel import BENCH
 
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(BENCH.num_layers)]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=BENCH.num_kv_heads, head_size=BENCH.head_dim,

@@ -45,7 +45,7 @@ but not required to match: with this random-weight bf16 model, greedy tokens dep
 the prompt's prefill was split (a 2,100-token prefill, a restored 2,080-token prefix plus 20,
 and a locally cached 2,080-token prefix plus 20 gave three different outputs; docs/RESULTS.md).
 
-The model is ``sparkcache.tinymodel.BENCH``, a random-weight Llama made offline (hidden
+The model is ``testing.tinymodel.BENCH``, a random-weight Llama made offline (hidden
 1024, 8 layers, 16 query / 4 KV heads of 64, bf16): its compute per token against KV bytes
 per token is that of a real small model, unlike the tiny test model, which recomputes
 faster than any disk read. Both figures are in the JSON (``model``). The store's pages sit
@@ -55,7 +55,7 @@ stored files' pages in the page cache just before each request is measured (``mi
 kept. Every life gets a KV cache of ``--kv-cache-gib`` (vLLM's ``kv_cache_memory_bytes``): by
 default vLLM's CPU backend takes ~90% of the machine's memory for it, which pushes the stored
 files out of the page cache at random, in either arm.
-``--model hybrid`` runs ``sparkcache.tinymodel.BENCH_HYBRID`` (NemotronH: 4 Mamba2 and 4
+``--model hybrid`` runs ``testing.tinymodel.BENCH_HYBRID`` (NemotronH: 4 Mamba2 and 4
 attention layers, hidden 1024, fp32; 8 KiB of KV per token, like ``BENCH``, plus 4.2 MiB of
 recurrent state per entry) with ``mamba_cache_mode="align"``, the block size vLLM picks and prefill
 chunks of one block (what vLLM's CPU Mamba2 kernels need; ``engine`` in the JSON), in two
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
-    from sparkcache.tinymodel import BENCH, BENCH_HYBRID, TINY, make_tiny_hybrid, make_tiny_model
+    from testing.tinymodel import BENCH, BENCH_HYBRID, TINY, make_tiny_hybrid, make_tiny_model
 
     if args.model == "hybrid":
         spec, arm_names = BENCH_HYBRID, HYBRID_ARMS
@@ -572,7 +572,7 @@ def parser() -> argparse.ArgumentParser:
       "(the first ones; default 1)")
     a("--check-tokens", type=int, default=8, help="greedy output tokens of the timed request, compared across arms")
     a("--model", choices=("bench", "tiny", "hybrid"), default="bench",
-      help="bench: sparkcache.tinymodel.BENCH (Llama); tiny: TINY; hybrid: BENCH_HYBRID (NemotronH, "
+      help="bench: testing.tinymodel.BENCH (Llama); tiny: TINY; hybrid: BENCH_HYBRID (NemotronH, "
       "Mamba2 + attention; recompute and sparkcache only, ExampleConnector cannot load it)")
     a("--dtype", default=None, help="override the model's dtype (default: the spec's)")
     a("--seed", type=int, default=0)
@@ -587,7 +587,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _max_prompt_tokens(model: str) -> int:
-    from sparkcache.tinymodel import BENCH, BENCH_HYBRID, TINY
+    from testing.tinymodel import BENCH, BENCH_HYBRID, TINY
 
     return {"bench": BENCH, "tiny": TINY, "hybrid": BENCH_HYBRID}[model].max_position_embeddings - 64
 

@@ -10,7 +10,7 @@ A prompt is a list of token ids, or ``{"ids": [...], "cache_salt": "s", "lora": 
 "id": 1, "path": DIR}}`` (both keys optional): the salt goes into ``TokensPrompt(cache_salt=)``,
 the adapter into ``llm.generate(lora_request=LoRARequest(name, id, path))``. LoRA must be
 enabled for the engine life with ``"lora": {"max_lora_rank": 8, "max_loras": 2}`` (both
-optional, defaults shown), e.g. with an adapter from ``sparkcache.tinymodel.make_tiny_lora``;
+optional, defaults shown), e.g. with an adapter from ``testing.tinymodel.make_tiny_lora``;
 with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
 sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`` (e.g.
 ``"align"``) is passed to vLLM for hybrid models; ``"logprobs": true`` reports each output

@@ -34,7 +34,7 @@ def test_factory_loads_the_connector_class():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from sparkcache.tinymodel import TINY, make_tiny_model
+    from testing.tinymodel import TINY, make_tiny_model
 
     return make_tiny_model(TINY, cache_dir=tmp_path_factory.mktemp("models"))
 

@@ -284,7 +284,7 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
 
 # SPARKCACHE_* variables read by the tools around the connector, not by it.
 TOOL_ENV = {
-    "SPARKCACHE_TINYMODEL_CACHE": "where sparkcache.tinymodel caches the offline tiny models",
+    "SPARKCACHE_TINYMODEL_CACHE": "where testing.tinymodel caches the offline tiny models",
     "SPARKCACHE_BUILD_CACHE": "build.py's cache directory (default .cache/)",
     "SPARKCACHE_REGISTRY_PORT": "build.py's local registry port (default 5050)",
     "SPARKCACHE_VERIFY_DIR": "the contract suite's inputs inside an image",

@@ -1,6 +1,7 @@
 """One direction: the product (sparkcache/, transforms/, images/builder/, build.py) and the contract suite
 baked into images (contracts/) never import the test suite or the benchmarks; tests and benchmarks may
-import the product."""
+import the product. The test-support package (testing/) is shared by tests, benchmarks and the contract
+suite; the product never imports it either."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT = [REPO / "sparkcache", REPO / "transforms", REPO / "images" / "builder", REPO / "contracts", REPO / "build.py"]
+PRODUCT = [REPO / "sparkcache", REPO / "transforms", REPO / "images" / "builder", REPO / "build.py"]
+BAKED = [*PRODUCT, REPO / "contracts"]
 
 
 def python_files(where: Path) -> list[Path]:
@@ -45,7 +47,12 @@ def offending_imports(path: Path, forbidden: set[str], root: Path = REPO) -> lis
 
 def test_the_product_never_imports_tests_or_bench():
     forbidden = suite_module_names()
-    found = [line for where in PRODUCT for p in python_files(where) for line in offending_imports(p, forbidden)]
+    found = [line for where in BAKED for p in python_files(where) for line in offending_imports(p, forbidden)]
+    assert found == []
+
+
+def test_the_product_never_imports_the_test_support_package():
+    found = [line for where in PRODUCT for p in python_files(where) for line in offending_imports(p, {"testing"})]
     assert found == []
 
 

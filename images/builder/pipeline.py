@@ -45,9 +45,10 @@ def git(*args: str, cwd: Path = REPO_ROOT) -> str | None:
 
 
 # What the image is made from in this checkout: the sparkcache wheel's sources, and the trees the
-# overlay bakes in (the contract suite, the transforms with their lock); the spec and the
-# Dockerfile template are added by build().
-OVERLAY_SOURCES = ("sparkcache", "transforms", "contracts")
+# overlay bakes in under CONTRACTS_DIR (the transforms with their lock, the contract suite and what
+# it shares with the tests); the spec and the Dockerfile template are added by build().
+BAKED_TREES = ("transforms", "contracts", "testing")
+OVERLAY_SOURCES = ("sparkcache", *BAKED_TREES)
 PROJECT_FILE = "pyproject.toml"
 DOCKERFILE_TEMPLATE = REPO_ROOT / "images" / "Dockerfile.in"
 
@@ -295,7 +296,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     for relpath, data in sorted(files.items()):
         tar.add(f"{site}/{relpath}", data)
     layers.add_wheel(tar, sc_wheel, site, spec.venv)
-    for tree in ("transforms", "contracts"):
+    for tree in BAKED_TREES:
         for path, data, mode in layers.tree_files(REPO_ROOT / tree, f"{CONTRACTS_DIR}/{tree}"):
             tar.add(path, data, mode)
     for path, data, mode in upstream_tests(lock):

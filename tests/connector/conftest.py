@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     """The offline tiny Llama (random weights, locally trained byte-level BPE)."""
-    from sparkcache.tinymodel import TINY, make_tiny_model
+    from testing.tinymodel import TINY, make_tiny_model
 
     return make_tiny_model(TINY)
 
@@ -20,7 +20,7 @@ def tiny_model() -> str:
 @pytest.fixture(scope="session")
 def hybrid_model() -> str:
     """The offline tiny NemotronH (Mamba2 + attention, long-memory SSM, fp32)."""
-    from sparkcache.tinymodel import make_tiny_hybrid
+    from testing.tinymodel import make_tiny_hybrid
 
     return make_tiny_hybrid()
 

@@ -1,7 +1,7 @@
 """Hybrid models end to end on the real CPU engine: attention pages plus recurrent (Mamba2)
 state are published, restored after a restart and refused when damaged.
 
-Two architectures, each a tiny model made offline (``sparkcache.tinymodel.make_tiny_hybrid``)
+Two architectures, each a tiny model made offline (``testing.tinymodel.make_tiny_hybrid``)
 in fp32 with a long-memory SSM, so the recurrent state decides the output (the tests show that
 a restore with the right pages and a zeroed state gives other tokens): NemotronH (Mamba2,
 attention, Mamba2, MLP, Mamba2, attention) and GraniteMoeHybrid, dense (Mamba2, attention,
@@ -43,7 +43,7 @@ HYBRID = {"block_size": BLOCK, "max_num_batched_tokens": BLOCK, "mamba_cache_mod
 
 @pytest.fixture(scope="module", params=["nemotron_h", "granitemoehybrid"])
 def spec(request):
-    from sparkcache.tinymodel import TINY_GRANITE_HYBRID, TINY_HYBRID
+    from testing.tinymodel import TINY_GRANITE_HYBRID, TINY_HYBRID
 
     return {"nemotron_h": TINY_HYBRID, "granitemoehybrid": TINY_GRANITE_HYBRID}[request.param]
 
@@ -58,7 +58,7 @@ def _state_entry(root) -> tuple[PageStore, object]:
 
 @pytest.fixture(scope="module")
 def runs(spec, tmp_path_factory):
-    from sparkcache.tinymodel import TINY_HYBRID, make_tiny_hybrid
+    from testing.tinymodel import TINY_HYBRID, make_tiny_hybrid
 
     root = tmp_path_factory.mktemp("store")
     base = {"model": make_tiny_hybrid(spec), "prompts": [PROMPT], **HYBRID}

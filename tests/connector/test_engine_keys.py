@@ -29,7 +29,7 @@ LORA = {"max_lora_rank": 8, "max_loras": 2}
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
-    from sparkcache.tinymodel import make_tiny_lora
+    from testing.tinymodel import make_tiny_lora
 
     a = {"name": "a", "id": 1, "path": make_tiny_lora(tiny_model, seed=1)}
     b = {"name": "b", "id": 2, "path": make_tiny_lora(tiny_model, seed=2)}

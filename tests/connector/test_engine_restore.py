@@ -139,7 +139,7 @@ LONG_PROMPT = long_prompt(32768, seed=7)
 
 @pytest.fixture(scope="module")
 def long_runs(tmp_path_factory):
-    from sparkcache.tinymodel import TINY, make_tiny_model
+    from testing.tinymodel import TINY, make_tiny_model
 
     model = make_tiny_model(dataclasses.replace(TINY, max_position_embeddings=40960))
     root = tmp_path_factory.mktemp("long-store")

@@ -221,7 +221,7 @@ def per_rank_root_lives(tmp_path_factory):
     """The tiny Llama with 2 KV heads, so that at TP=4 vLLM replicates each head on two ranks
     and a TP=4 rank's shard has the shape of a TP=2 rank's: first a TP=4 life, then TP=2 cold
     and restarted (with rank 1's root full), all on ``root: BASE/rank{rank}``."""
-    from sparkcache.tinymodel import TinyModelSpec, make_tiny_model
+    from testing.tinymodel import TinyModelSpec, make_tiny_model
 
     model = make_tiny_model(TinyModelSpec(num_kv_heads=2))
     base = tmp_path_factory.mktemp("per-rank")

@@ -32,8 +32,8 @@ default, on q/k/v/o of every layer) for such a model, cached the same way; its `
 far from zero (PEFT initialises it to zero), so adapters of different seeds change greedy
 outputs visibly, and differently.
 
-Usage: ``python -m sparkcache.tinymodel [tiny|bench|hybrid|granite|bench-hybrid]`` prints the directory;
-``python -m sparkcache.tinymodel lora [SEED]`` prints a LoRA adapter's directory for ``TINY``.
+Usage: ``python -m testing.tinymodel [tiny|bench|hybrid|granite|bench-hybrid]`` prints the directory;
+``python -m testing.tinymodel lora [SEED]`` prints a LoRA adapter's directory for ``TINY``.
 """
 
 from __future__ import annotations
