@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is_entry_id, \
     is_identity_digest, occupied
 from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
+from .reasons import Reason
 
 _MTIME_TRUST_S = 0.05  # directory mtimes newer than this may hide a change in the same tick
 
@@ -43,7 +44,7 @@ class BadManifest:
     entry_id: str
     identity_digest: str
     path: str
-    reason: str
+    reason: Reason
     detail: str
     inode: int
 
@@ -304,7 +305,7 @@ class EntryIndex:
             self.remove(entry_id)
             return None
         except (OSError, UnsafePathError) as exc:
-            self._mark_bad(entry_id, idd, path, "corrupt", str(exc),
+            self._mark_bad(entry_id, idd, path, Reason.CORRUPT, str(exc),
                            _lstat_inode(self.layout, path))
             return None
         inode = -1
@@ -312,19 +313,19 @@ class EntryIndex:
             st = os.fstat(fd)
             inode = st.st_ino
             if st.st_size > MAX_MANIFEST_BYTES:
-                self._mark_bad(entry_id, idd, path, "corrupt", f"{st.st_size} bytes, more than "
+                self._mark_bad(entry_id, idd, path, Reason.CORRUPT, f"{st.st_size} bytes, more than "
                                f"a manifest can hold ({MAX_MANIFEST_BYTES})", st.st_ino)
                 return None
             data = _read_all(fd, st.st_size)
         except OSError as exc:
-            self._mark_bad(entry_id, idd, path, "corrupt", f"unreadable: {exc}", inode)
+            self._mark_bad(entry_id, idd, path, Reason.CORRUPT, f"unreadable: {exc}", inode)
             return None
         finally:
             os.close(fd)
         try:
             manifest = decode(data, expected_entry_id=entry_id, expected_identity_digest=idd)
         except ManifestError as exc:
-            self._mark_bad(entry_id, idd, path, "corrupt", f"{exc.reason}: {exc.detail}", st.st_ino)
+            self._mark_bad(entry_id, idd, path, Reason.CORRUPT, f"{exc.reason}: {exc.detail}", st.st_ino)
             return None
         entry = IndexedEntry(manifest, path, st.st_ino, len(data), st.st_mtime)
         self.add(entry)
@@ -332,7 +333,7 @@ class EntryIndex:
         mark.names[entry_id] = st.st_ino
         return entry
 
-    def _mark_bad(self, entry_id: str, idd: str, path: str, reason: str, detail: str,
+    def _mark_bad(self, entry_id: str, idd: str, path: str, reason: Reason, detail: str,
                   inode: int) -> None:
         self.remove(entry_id)
         self.bad[entry_id] = BadManifest(entry_id, idd, path, reason, detail, inode)
