@@ -118,29 +118,23 @@ def lock_info():
 
 def record_scenarios(lock) -> dict:
     """What transforms/scenarios/* give on the host's transformed tree (cached by lock and scenario sources)."""
-    scen_dir = REPO_ROOT / "transforms" / "scenarios"
-    modules = sorted(p.stem for p in scen_dir.glob("*.py") if p.stem not in ("__init__", "harness"))
-    sources = {p.name: layers.sha256_file(p) for p in sorted(scen_dir.glob("*.py"))}
-    key = layers.short_key({"lock": lock.sha256, "sources": sources, "runner": layers.sha256_file(REPO_ROOT / "contracts" / "scenario_runner.py")})
+    from transforms import scenarios, trees
+
+    modules = scenarios.modules()
+    sources = {p.name: layers.sha256_file(p) for p in sorted(scenarios.HERE.glob("*.py"))}
+    key = layers.short_key({"lock": lock.sha256, "sources": sources, "runner": layers.sha256_file(Path(trees.__file__))})
     out = CACHE / "scenarios" / f"{key}.json"
     if out.exists():
         return json.loads(out.read_text())
-    from transforms.trees import build_transformed_tree, tree_env
-
     progress(f"recording scenarios {', '.join(modules)} on the host's transformed tree (once per lock)")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        tree = build_transformed_tree(Path(tmp) / "site")
-        results = {}
-        for m in modules:
-            proc = subprocess.run(
-                [sys.executable, str(REPO_ROOT / "contracts" / "scenario_runner.py"), f"transforms.scenarios.{m}"],
-                env=tree_env(tree), capture_output=True, text=True, cwd=REPO_ROOT, timeout=900,
-            )
-            line = next((l for l in proc.stdout.splitlines() if l.startswith("SCENARIO-RESULT ")), None)
-            if line is None:
-                raise BuildError(f"transforms/scenarios/{m}.py failed on the host's transformed tree (exit {proc.returncode}): {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-            results[m] = json.loads(line[len("SCENARIO-RESULT "):])
+        tree = trees.build_transformed_tree(Path(tmp) / "site")
+        try:
+            results = trees.scenarios_both_ways(tree, modules)
+        except RuntimeError as exc:
+            last = (str(exc).strip().splitlines() or ["?"])[-1]
+            raise BuildError(f"transforms/scenarios failed on the host's transformed tree: {last}") from None
     progress(f"scenarios recorded in {time.monotonic() - t0:.0f} s")
     dump_json(out, results)
     return results

