@@ -9,17 +9,17 @@ each transform. New scenario modules are picked up by themselves.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from contracts.device import config_env
+from transforms.scenarios import modules
+from transforms.trees import scenarios_both_ways
 
 HOME = Path("/opt/sparkcache")
 EXPECTED = json.loads((HOME / "expected" / "scenarios.json").read_text())
-MODULES = sorted(p.stem for p in (HOME / "transforms" / "scenarios").glob("*.py") if p.stem not in ("__init__", "harness"))
+MODULES = modules()
 
 
 def test_every_scenario_was_recorded():
@@ -28,12 +28,6 @@ def test_every_scenario_was_recorded():
 
 @pytest.mark.parametrize("module", MODULES)
 def test_scenario_matches_the_tested_tree(module):
-    proc = subprocess.run(
-        [sys.executable, str(HOME / "contracts" / "scenario_runner.py"), f"transforms.scenarios.{module}"],
-        capture_output=True, text=True, cwd=HOME, timeout=900, env=config_env(PYTHONPATH=str(HOME)),
-    )
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("SCENARIO-RESULT ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    got = json.loads(line[len("SCENARIO-RESULT "):])
+    got = scenarios_both_ways(None, [module], env=config_env(PYTHONPATH=str(HOME)))[module]
     assert got == EXPECTED[module]
     assert got["options_on"] != got["options_off"], "the transform changes nothing with its options on"

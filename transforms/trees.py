@@ -54,41 +54,36 @@ def tree_env(tree: Path | None) -> dict[str, str]:
     return env
 
 
-def run_scenarios(tree: Path | None, calls: Sequence[tuple[str, dict]]) -> list[dict]:
+def run_scenarios(tree: Path | None, calls: Sequence[tuple[str, dict]], env: dict[str, str] | None = None) -> list[dict]:
     """Run each ``module.run(**kwargs)`` of calls, in order, in one fresh interpreter against tree
-    (None: pristine); return their JSON results. Each call builds its own Scheduler, so one
-    interpreter (one vLLM import) serves them all."""
-    code = (
-        "import json, sys, importlib\n"
-        "if __name__ == '__main__':\n"
-        "    import vllm.v1.core.sched.scheduler as s\n"
-        "    print('SCENARIO-FILE ' + s.__file__)\n"
-        "    for module, kwargs in json.loads(sys.stdin.read()):\n"
-        "        result = importlib.import_module(module).run(**kwargs)\n"
-        "        print('SCENARIO-RESULT ' + json.dumps(result), flush=True)\n"
-    )
+    (None: the installed vLLM), with ``tree_env(tree)`` or env; return their JSON results. Each call
+    builds its own Scheduler, so one interpreter (one vLLM import) serves them all."""
+    from transforms.scenarios import FILE_LINE, RESULT_LINE
+
     proc = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-m", "transforms.scenarios"],
         input=json.dumps([[module, kwargs] for module, kwargs in calls]),
-        env=tree_env(tree),
+        env=env if env is not None else tree_env(tree),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         cwd=REPO,
     )
     lines = proc.stdout.splitlines()
-    files = [line[len("SCENARIO-FILE ") :] for line in lines if line.startswith("SCENARIO-FILE ")]
-    results = [json.loads(line[len("SCENARIO-RESULT ") :]) for line in lines if line.startswith("SCENARIO-RESULT ")]
-    names = ", ".join(sorted({module for module, _ in calls}))
+    files = [line[len(FILE_LINE) :] for line in lines if line.startswith(FILE_LINE)]
+    results = [json.loads(line[len(RESULT_LINE) :]) for line in lines if line.startswith(RESULT_LINE)]
     if proc.returncode != 0 or len(results) != len(calls):
-        failed = calls[len(results)][0] if len(results) < len(calls) else names
+        failed = calls[len(results)][0] if len(results) < len(calls) else ", ".join(sorted({m for m, _ in calls}))
         raise RuntimeError(f"scenario {failed} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     expected_root = str(tree) if tree is not None else str(installed_site_packages())
     if not files or not files[0].startswith(expected_root):
-        raise RuntimeError(f"scenarios {names} ran vLLM's scheduler from {files}, not from {expected_root}")
+        raise RuntimeError(f"the scenarios ran vLLM's scheduler from {files}, not from {expected_root}")
     return results
 
 
-def run_scenario(tree: Path | None, module: str, **kwargs) -> dict:
-    """Run ``module.run(**kwargs)`` in a fresh interpreter against tree (None: pristine); return its JSON."""
-    return run_scenarios(tree, [(module, kwargs)])[0]
+def scenarios_both_ways(tree: Path | None, names: Sequence[str], env: dict[str, str] | None = None) -> dict[str, dict]:
+    """{name: {"options_on": ..., "options_off": ...}} for transforms.scenarios modules, in one interpreter:
+    what the builder records on the host's transformed tree and the contract suite compares in an image."""
+    calls = [(f"transforms.scenarios.{name}", {"options_on": on}) for name in names for on in (True, False)]
+    results = iter(run_scenarios(tree, calls, env=env))
+    return {name: {"options_on": next(results), "options_off": next(results)} for name in names}

@@ -24,7 +24,7 @@ def _key(module: str, kwargs: dict) -> str:
 
 
 @pytest.fixture(scope="session")
-def scenario(request: pytest.FixtureRequest, tmp_path_factory) -> Callable[..., dict]:
+def scenario(request: pytest.FixtureRequest) -> Callable[..., dict]:
     declared: dict[str, dict[str, tuple[str, dict]]] = {tree: {} for tree in TREES}
     for module in {item.module for item in request.session.items}:
         for tree, name, kwargs in getattr(module, "SCENARIO_CALLS", ()):
