@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import cpus
 from .layout import UnsafePathError, is_identity_digest, parallel_map, sync_all
@@ -39,6 +39,9 @@ from .pacing import PassClock, runqueue_wait_s
 from .pins import live_pins
 from .results import CapacitySnapshot
 from .units import shard_units
+
+if TYPE_CHECKING:
+    from .pagestore import PageStore
 
 _SHARDS = [f"{i:02x}" for i in range(256)]
 log = logging.getLogger("sparkcache.store")
@@ -94,8 +97,8 @@ class PassReport:
         return self.duration_s * 1000.0 > self.budget_ms * (1.0 + OVERRUN_TOLERANCE)
 
 
-class _Sweeper:
-    """Round-robin cursor over the 256 object shards."""
+class ShardCursor:
+    """Round-robin cursor over the 256 object shards: where a store's next sweep starts."""
 
     def __init__(self) -> None:
         self.next = 0
@@ -106,7 +109,7 @@ class _Sweeper:
         return shards
 
 
-def run_pass(store: Any, budget: PassBudget, *, sweep_shards: int = 16,
+def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
              now: float | None = None) -> PassReport:
     """One budgeted pass (see the module docstring). Its ``duration_s`` is wall time from
     the call to the return, lock wait included; the pass plans to end by 80% of the budget
@@ -197,7 +200,7 @@ class _Plan:
     items: Any  # the ``_plan`` generator, past its first value
 
 
-def _locked_plan(store: Any, now: float) -> tuple[_Plan, int, int]:
+def _locked_plan(store: PageStore, now: float) -> tuple[_Plan, int, int]:
     """Under the exclusive lock: live intents, re-listed manifests, recency, pins, the plan.
     Returns (plan, pinned entries skipped, used bytes before the pass)."""
     protected = store.locked_view_refresh()
@@ -212,7 +215,7 @@ def _locked_plan(store: Any, now: float) -> tuple[_Plan, int, int]:
     return _Plan(protected, items), skipped, used_before
 
 
-def _drop_planned(store: Any, plan: _Plan, budget: PassBudget, clock: PassClock):
+def _drop_planned(store: PageStore, plan: _Plan, budget: PassBudget, clock: PassClock):
     """Drop planned manifests in parallel batches within the budget. Returns (stopped_by,
     entries dropped, of them expired, manifest bytes, whether planned work is left)."""
     evicted = expired_n = reclaimed = 0
@@ -265,7 +268,7 @@ def _drop_planned(store: Any, plan: _Plan, budget: PassBudget, clock: PassClock)
 _DROP_BATCH = 16  # manifests unlinked in parallel as one unit
 
 
-def _plan(store: Any, pinned: set[str], now: float):
+def _plan(store: PageStore, pinned: set[str], now: float):
     """Generator: first yields the number of pinned entries skipped, then
     ``(entry_id, expected bytes freed, expired, joined)`` oldest first: TTL-expired entries,
     then least-recently-used ones until the projected use is at or under the low watermark;
@@ -330,11 +333,10 @@ def _count_rest(plan, until: float) -> int:
     return count
 
 
-def _sweep(store: Any, protected: set[str], clock: PassClock,
+def _sweep(store: PageStore, protected: set[str], clock: PassClock,
            n_shards: int) -> tuple[int, int, int, float]:
     """Delete unreferenced objects in up to ``n_shards`` shards while time allows.
     Returns (objects deleted, bytes freed, shards swept, seconds spent in fsync)."""
-    sweeper = store.__dict__.setdefault("_sweeper", _Sweeper())
     count = freed = swept = 0
     if store.unsynced_dirs or not clock.fits("fsync"):
         return 0, 0, 0, 0.0
@@ -347,7 +349,7 @@ def _sweep(store: Any, protected: set[str], clock: PassClock,
     for _ in range(n_shards):
         if not clock.fits("shard"):
             break
-        shard = sweeper.take(1)[0]
+        shard = store.shard_cursor.take(1)[0]
         swept += 1
         garbage = clock.run("shard", lambda: _sweep_shard(store, shard, protected))
         count += len(garbage)
@@ -355,7 +357,7 @@ def _sweep(store: Any, protected: set[str], clock: PassClock,
     return count, freed, swept, fsync_s
 
 
-def _sweep_shard(store: Any, shard: str, protected: set[str]) -> list[int]:
+def _sweep_shard(store: PageStore, shard: str, protected: set[str]) -> list[int]:
     """Unlink (in parallel) the unreferenced objects of one shard; returns their sizes."""
     garbage = [(digest, size) for digest, size in store.objects.iter_shard(shard)
                if digest not in store.index.refcount and digest not in protected
@@ -364,14 +366,14 @@ def _sweep_shard(store: Any, shard: str, protected: set[str]) -> list[int]:
     return [size for (_, size), ok in zip(garbage, done) if ok]
 
 
-def _unlink_counted(store: Any, digest: str) -> bool:
+def _unlink_counted(store: PageStore, digest: str) -> bool:
     try:
         return store.layout.unlink(store.layout.object_path(digest))
     except (OSError, UnsafePathError):
         return False  # a shard swapped for a link meanwhile: never followed
 
 
-def pass_due(store: Any, now: float | None = None) -> bool:
+def pass_due(store: PageStore, now: float | None = None) -> bool:
     """Whether capacity, the free-space floor or TTL asks for a pass (cheap: the in-memory
     view and one statvfs)."""
     now = time.time() if now is None else now
@@ -397,7 +399,7 @@ class MaintenanceThread:
     wall time, so a thread niced below a saturated CPU waits for the CPU at every blocking
     call; see docs/SIZING.md before raising it."""
 
-    def __init__(self, store: Any, budget: PassBudget, interval_s: float, *,
+    def __init__(self, store: PageStore, budget: PassBudget, interval_s: float, *,
                  sweep_every_s: float = 30.0, nice: int | None = 10,
                  on_report: Callable[[PassReport], None] | None = None,
                  keep_reports: int = 10000) -> None:

@@ -22,6 +22,7 @@ from .layout import StoreLayout, UnsafePathError, allocated, parallel_map, sync_
 from .locks import PIN_WAIT_S, exclusive_lock, shared_lock
 from .manifests import Manifest, PageRef, encode, pages_needed
 from .objects import ObjectError, ObjectStore
+from .maintenance import ShardCursor
 from .pacing import UnitCosts
 from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
@@ -61,6 +62,7 @@ class PageStore:
         self.draining = False  # above max once; evicting until at or under the low watermark
         self.unsynced_dirs: set[str] = set()  # manifest dirs with unlinks not yet fsynced
         self.unit_costs = UnitCosts()  # what maintenance's units of work recently cost
+        self.shard_cursor = ShardCursor()  # where maintenance's next orphan sweep starts
         if not read_only:
             self.recover()
         else:

@@ -18,13 +18,16 @@ recovery and maintenance collect); after 4 the entry is complete.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .layout import parallel_imap, start_writeback, sync_all, wait_writeback, write_all
 from .locks import PUBLISH_WAIT_S, shared_lock
 from .manifests import PageRef
 from .objects import digest_of
 from .staging import Staging
+
+if TYPE_CHECKING:
+    from .pagestore import PageStore
 
 _SYNC_BATCH = 64  # temp files written before a round of fdatasync + renames
 _WRITEBACK_WINDOW = 8 << 20  # bytes of started write-back a publication keeps in flight
@@ -38,7 +41,7 @@ class BaseObjectGone(Exception):
 class PublicationWriter:
     """Writes the objects of one publication into ``store`` through ``staging``."""
 
-    def __init__(self, store: Any, staging: Staging) -> None:
+    def __init__(self, store: PageStore, staging: Staging) -> None:
         self.store = store
         self.staging = staging
         self.written_digests: set[str] = set()
