@@ -47,5 +47,5 @@ def test_rewrite_keeps_comments_and_validates(tmp_path):
     pins = [Pin(w.name, w.version, w.sha256, "") for w in reversed(wheels)]
     rewrite_spec_wheels(spec, pins)
     text = spec.read_text()
-    assert text.startswith("# The CPU lane") and "transforms: [" in text
+    assert text.startswith("# The CPU lane") and "labels:\n  org.opencontainers.image.title: sparkcache-vllm-cpu\n" in text
     assert [w.name for w in load(spec).wheels] == [p.name for p in pins]
