@@ -90,7 +90,8 @@ def make_scheduler(cfg: dict, extra: dict, store_root: Path):
     scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                           structured_output_manager=StructuredOutputManager(vllm_config),
                           block_size=bs, hash_block_size=bs, log_stats=True)
-    scheduler._sparkcache_now = lambda: rc.CONTEXT.now  # leases run on the simulated clock
+    if scheduler.sparkcache_leases is not None:
+        scheduler.sparkcache_leases.now = lambda: rc.CONTEXT.now  # leases run on the simulated clock
     if cfg.get("connector") == "sparkcache":
         replay_a_worker.attach(scheduler, rc.CONTEXT)
     pool = scheduler.kv_cache_manager.block_pool

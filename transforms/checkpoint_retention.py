@@ -41,49 +41,33 @@ self._spec_decode_step_blocks = sum(
 """
 
 _SCHEDULER_CALL = """
-self._sparkcache_configure_checkpoint_retention()
+if any(
+    key in (getattr(self.vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {})
+    for key in ("sparkcache_retain_decode_checkpoint", "sparkcache_drop_superseded_checkpoint")
+):
+    from sparkcache.hooks.checkpoint_retention import enable_decode_checkpoints
+
+    enable_decode_checkpoints(self)
 """
 
-_SCHEDULER_HELPER = '''
-def _sparkcache_configure_checkpoint_retention(self) -> None:
-    # sparkcache checkpoint_retention, opt in through kv_connector_extra_config:
-    # sparkcache_retain_decode_checkpoint hashes the newest block-aligned
-    # recurrent state reached past the prompt; sparkcache_drop_superseded_checkpoint
-    # (needs the first) drops the hash of the decode state it supersedes.
-    # sparkcache's settings table parses both, as the connector does (JSON
-    # true/false only). Both absent: upstream behaviour, sparkcache not imported.
-    kv_transfer_config = self.vllm_config.kv_transfer_config
-    extra = {}
-    if kv_transfer_config is not None:
-        extra = kv_transfer_config.kv_connector_extra_config or {}
-    if (
-        "sparkcache_retain_decode_checkpoint" not in extra
-        and "sparkcache_drop_superseded_checkpoint" not in extra
-    ):
-        return
-    from sparkcache.settings import transform_option
-
-    retain = transform_option(extra, "sparkcache_retain_decode_checkpoint")
-    drop = transform_option(extra, "sparkcache_drop_superseded_checkpoint")
-    if not retain:
-        return
-    for manager in self.kv_cache_manager.coordinator.single_type_managers:
-        enable = getattr(manager, "_sparkcache_enable_decode_checkpoint", None)
-        if enable is not None:
-            enable(drop_superseded=drop)
-'''
-
 # ------------------------------------------------ single_type_kv_cache_manager.py
+# The logic is sparkcache.hooks.checkpoint_retention.DecodeCheckpoints; these are its call sites.
+_INIT_ANCHOR = "self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()"
+
+_INIT = "self.sparkcache_decode_checkpoints = None  # sparkcache checkpoint_retention: set when opted in"
+
 _CACHE_BEFORE_ANCHOR = """
 num_cached_blocks_before = self.num_cached_block.get(request.request_id, 0)
 """
 
 _CACHE_BEFORE = """
-sparkcache_decode_boundary = self._sparkcache_decode_checkpoint_boundary(
-    request, num_tokens, retention_interval, replay_boundaries
-)
-if sparkcache_decode_boundary is not None:
-    replay_boundaries = [*replay_boundaries, sparkcache_decode_boundary]
+sparkcache_decode_boundary = None
+if self.sparkcache_decode_checkpoints is not None:
+    sparkcache_decode_boundary = self.sparkcache_decode_checkpoints.boundary(
+        request, num_tokens, retention_interval, replay_boundaries
+    )
+    if sparkcache_decode_boundary is not None:
+        replay_boundaries = [*replay_boundaries, sparkcache_decode_boundary]
 """
 
 _CACHE_AFTER_ANCHOR = """
@@ -92,7 +76,7 @@ num_cached_blocks_after = self.num_cached_block.get(request.request_id, 0)
 
 _CACHE_AFTER = """
 if sparkcache_decode_boundary is not None:
-    self._sparkcache_keep_decode_checkpoint(request, sparkcache_decode_boundary)
+    self.sparkcache_decode_checkpoints.keep(request, sparkcache_decode_boundary)
 """
 
 _POP_ANCHOR = """
@@ -100,92 +84,9 @@ self._producer_partial_tail_reqs.pop(request_id, None)
 """
 
 _POP_AFTER = """
-self._sparkcache_forget_decode_checkpoint(request_id)
+if self.sparkcache_decode_checkpoints is not None:
+    self.sparkcache_decode_checkpoints.forget(request_id)
 """
-
-_MAMBA_HELPERS = '''
-def _sparkcache_enable_decode_checkpoint(self, drop_superseded: bool) -> None:
-    # sparkcache checkpoint_retention: keep the newest decode-time state (align mode).
-    if self.mamba_cache_mode != "align" or self.num_speculative_blocks > 0:
-        # Speculative blocks relocate the running state; not covered.
-        return
-    self._sparkcache_retain_decode = True
-    self._sparkcache_drop_superseded = drop_superseded
-    # request id -> (request, boundary, block, block hash) of the decode state kept
-    self._sparkcache_decode_checkpoints = {}
-
-def _sparkcache_decode_checkpoint_boundary(
-    self, request, num_tokens, retention_interval, replay_boundaries
-):
-    # sparkcache checkpoint_retention: the boundary this step's running state
-    # lands on, if it must be kept. Only a step that ends exactly on a
-    # hit-aligned block boundary at or past the prompt's end leaves the state
-    # at that boundary in the block for that boundary (the running block,
-    # cdiv(num_tokens, block_size) - 1); only then, and only when sparse
-    # retention would not keep it anyway.
-    if not getattr(self, "_sparkcache_retain_decode", False):
-        return None
-    if retention_interval is None:
-        return None  # dense retention hashes every state already
-    alignment = self.cache_hit_alignment_tokens or self.block_size
-    if (
-        num_tokens <= 0
-        or num_tokens % self.block_size != 0
-        or num_tokens % alignment != 0
-        or num_tokens < request.num_prompt_tokens
-        or num_tokens <= request.num_computed_tokens
-    ):
-        return None
-    block_idx = num_tokens // self.block_size - 1
-    blocks = self.req_to_blocks.get(request.request_id, [])
-    if block_idx != len(blocks) - 1 or blocks[block_idx].is_null:
-        return None  # not this step's running state block
-    if self.num_cached_block.get(request.request_id, 0) > block_idx:
-        return None
-    upstream = self.reachable_block_mask(
-        block_idx,
-        block_idx + 1,
-        self.cache_hit_alignment_tokens,
-        self.kv_cache_spec,
-        self.use_eagle,
-        retention_interval=retention_interval,
-        reachable_boundaries=[
-            *replay_boundaries,
-            *([request.shared_prefix_boundary] if request.shared_prefix_boundary else []),
-        ],
-        dcp_world_size=self.dcp_world_size,
-    )
-    if upstream is None or upstream[0]:
-        return None  # upstream's retention keeps it; not ours to track or drop
-    return num_tokens
-
-def _sparkcache_keep_decode_checkpoint(self, request, boundary) -> None:
-    # sparkcache checkpoint_retention: record the decode state just hashed;
-    # drop the one it supersedes if opted in.
-    block = self.req_to_blocks[request.request_id][boundary // self.block_size - 1]
-    if block.block_hash is None or block.block_hash_num_tokens != boundary:
-        return
-    previous = self._sparkcache_decode_checkpoints.get(request.request_id)
-    self._sparkcache_decode_checkpoints[request.request_id] = (
-        request, boundary, block, block.block_hash
-    )
-    if previous is not None and self._sparkcache_drop_superseded:
-        _, _, old_block, old_hash = previous
-        # Only if the block still carries the hash this transform gave it.
-        if old_block is not block and old_block.block_hash == old_hash:
-            self.block_pool._maybe_evict_cached_block(old_block)
-
-def _sparkcache_forget_decode_checkpoint(self, request_id) -> None:
-    # sparkcache checkpoint_retention, on free: a state hashed for a step that
-    # never ran (the request was preempted in the same scheduling pass) does
-    # not hold the state at its boundary; evict its hash.
-    kept = getattr(self, "_sparkcache_decode_checkpoints", {}).pop(request_id, None)
-    if kept is None:
-        return
-    request, boundary, block, block_hash = kept
-    if request.num_computed_tokens < boundary and block.block_hash == block_hash:
-        self.block_pool._maybe_evict_cached_block(block)
-'''
 
 TRANSFORM = Transform(
     id="checkpoint_retention",
@@ -204,7 +105,8 @@ TRANSFORM = Transform(
         "state it supersedes loses its hash. MambaManager.pop_blocks_for_free: a kept state whose step "
         "never ran (preempted in the same pass) loses its hash. Scheduler.__init__: reads the keys from "
         "kv_connector_extra_config and enables the Mamba managers. Align mode without speculative "
-        "blocks only; dense retention is unchanged."
+        "blocks only; dense retention is unchanged. The logic is sparkcache.hooks.checkpoint_retention; the "
+        "edits are its call sites."
     ),
     removal_plan=(
         "Remove when upstream vLLM retains a decode-time Mamba checkpoint under sparse retention "
@@ -225,9 +127,9 @@ TRANSFORM = Transform(
     edits={
         SCHEDULER: (
             Edit(function="Scheduler.__init__", mode="insert_after", anchor=_SCHEDULER_ANCHOR, new=_SCHEDULER_CALL),
-            Edit(function="Scheduler", mode="append_to_class", new=_SCHEDULER_HELPER),
         ),
         SINGLE_TYPE: (
+            Edit(function="MambaManager.__init__", mode="insert_after", anchor=_INIT_ANCHOR, new=_INIT),
             Edit(
                 function="MambaManager.cache_blocks",
                 mode="insert_before",
@@ -241,7 +143,6 @@ TRANSFORM = Transform(
                 new=_CACHE_AFTER,
             ),
             Edit(function="MambaManager.pop_blocks_for_free", mode="insert_after", anchor=_POP_ANCHOR, new=_POP_AFTER),
-            Edit(function="MambaManager", mode="append_to_class", new=_MAMBA_HELPERS),
         ),
     },
 )

@@ -1,5 +1,5 @@
 """The connector's and the store's annotations name real types: every annotation in
-``sparkcache.connector`` and ``sparkcache.store`` resolves, those under ``if TYPE_CHECKING:`` (vLLM's Request, SchedulerOutput, KVCacheBlocks,
+``sparkcache.connector``, ``sparkcache.hooks`` and ``sparkcache.store`` resolves, those under ``if TYPE_CHECKING:`` (vLLM's Request, SchedulerOutput, KVCacheBlocks,
 ...) included, so a type renamed or moved by a vLLM upgrade fails here instead of misleading a
 reader. (The product imports them only for type checkers.)"""
 
@@ -14,9 +14,10 @@ import typing
 import pytest
 
 import sparkcache.connector
+import sparkcache.hooks
 import sparkcache.store
 
-MODULES = sorted(m.name for package in (sparkcache.connector, sparkcache.store)
+MODULES = sorted(m.name for package in (sparkcache.connector, sparkcache.hooks, sparkcache.store)
                  for m in pkgutil.iter_modules(package.__path__, package.__name__ + "."))
 
 

@@ -130,7 +130,8 @@ def _admit(scheduler, request) -> dict:
 def _decode_checkpoint_options(scheduler) -> list:
     """(retain, drop) as the Mamba manager was configured by the transformed scheduler."""
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[MAMBA_GROUP]
-    return [getattr(manager, "_sparkcache_retain_decode", False), getattr(manager, "_sparkcache_drop_superseded", False)]
+    kept = getattr(manager, "sparkcache_decode_checkpoints", None)
+    return [kept is not None, kept is not None and kept.drop_superseded]
 
 
 def run(options_on: bool, config_values: list | None = None) -> dict:

@@ -17,8 +17,10 @@ Three parts, each on a fresh scheduler with the ProbeConnector delaying frees
    released (after the expiry with leases on; after the one release upstream
    allows with leases off).
 
-The lease clock is the scheduler's ``_sparkcache_now``; the scenario replaces
-it with a fake clock (an instance attribute, harmless on the pristine tree).
+The lease clock is ``scheduler.sparkcache_leases.now``
+(sparkcache.hooks.lease_accounting.GpuLeases); the scenario replaces it with a
+fake clock. Counters read None where no leases are attached (the pristine tree,
+or the option absent).
 """
 
 from __future__ import annotations
@@ -49,8 +51,19 @@ def _scheduler(options_on: bool):
         extra[LEASE_KEY] = LEASE_SECONDS
     scheduler = h.make_hybrid_scheduler(num_blocks=NUM_BLOCKS, extra_config=extra)
     clock = _Clock()
-    scheduler._sparkcache_now = clock
+    if _leases(scheduler) is not None:
+        _leases(scheduler).now = clock
     return scheduler, clock
+
+
+def _leases(scheduler):
+    """The scheduler's GpuLeases (None: not transformed, or the option absent)."""
+    return getattr(scheduler, "sparkcache_leases", None)
+
+
+def _lease_count(scheduler, name: str):
+    leases = _leases(scheduler)
+    return None if leases is None else getattr(leases, name)
 
 
 def _free_queue(block_pool) -> list:
@@ -70,9 +83,9 @@ def _cached(block_pool, request, num_tokens: int, group: int):
 
 
 def _leased_blocks(scheduler):
-    """Scheduler.sparkcache_leased_blocks and SchedulerStats.num_leased_blocks (None: not transformed)."""
+    """GpuLeases.leased_blocks and SchedulerStats.num_leased_blocks (None: not there)."""
     stats = scheduler.make_stats()
-    return getattr(scheduler, "sparkcache_leased_blocks", None), getattr(stats, "num_leased_blocks", None)
+    return _lease_count(scheduler, "leased_blocks"), getattr(stats, "num_leased_blocks", None)
 
 
 def _error_name(fn) -> str | None:
@@ -157,13 +170,13 @@ def expiry_and_late_report(options_on: bool) -> dict:
         "free_blocks_after_deadline_step": block_pool.get_num_free_blocks(),
         "held_after_deadline_step": request.request_id in scheduler.requests,
         "engine_busy_after_deadline_step": scheduler.has_requests(),
-        "expired_leases": getattr(scheduler, "sparkcache_expired_leases", None),
+        "expired_leases": _lease_count(scheduler, "expired"),
     }
     if out["held_after_deadline_step"]:
         # Upstream: the only way out is the report; a second one is "late".
         out["release_error"] = _error_name(lambda: h.step(scheduler, finished_sending={request.request_id}))
     out["late_report_error"] = _error_name(lambda: h.step(scheduler, finished_sending={request.request_id}))
-    out["late_reports_ignored"] = getattr(scheduler, "sparkcache_late_finished_sending", None)
+    out["late_reports_ignored"] = _lease_count(scheduler, "late_reports")
     out["free_blocks_after_late_report"] = block_pool.get_num_free_blocks()
     return out
 
@@ -173,7 +186,7 @@ def run(options_on: bool, config_values: list | None = None) -> dict:
     if config_values is not None:
         return h.option_readings(
             [{LEASE_KEY: value} for value in config_values],
-            lambda scheduler: getattr(scheduler, "sparkcache_lease_seconds", None),
+            lambda scheduler: _lease_count(scheduler, "seconds"),
             num_blocks=NUM_BLOCKS,
         )
     return {

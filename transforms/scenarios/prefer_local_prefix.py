@@ -115,7 +115,7 @@ def run(options_on: bool, config_values: list | None = None) -> dict:
     if config_values is not None:
         return option_readings(
             [{"sparkcache_prefer_local_prefix": value} for value in config_values],
-            lambda scheduler: getattr(scheduler, "sparkcache_prefer_local_prefix", None),
+            lambda scheduler: getattr(scheduler, "sparkcache_prefer_local_prefix", None) is not None,
         )
     cases = {
         f"store{store}_{'divergent' if div else 'default'}": _case(options_on, div, store)
