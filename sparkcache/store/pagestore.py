@@ -17,7 +17,7 @@ import time
 from typing import Any, Sequence
 
 from .identity import BlockHash, Identity, block_keys, entry_id_for
-from .index import EntryIndex, IndexedEntry
+from .index import BadManifest, EntryIndex, IndexedEntry
 from .layout import StoreLayout, UnsafePathError, allocated, parallel_map, sync_all
 from .locks import PIN_WAIT_S, exclusive_lock, shared_lock
 from .manifests import Manifest, PageRef, encode, pages_needed
@@ -30,6 +30,7 @@ from .reasons import Reason
 from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
+from .verify import VerifyReport, verify_store
 from ..settings import format_bytes
 
 
@@ -525,6 +526,31 @@ class PageStore:
         with self._mutex:
             self.index.refresh()
             return self.index.entries.get(entry_id)
+
+    def bad_manifests(self) -> list[BadManifest]:
+        """Manifest files the store refuses to read (corrupt, unsafe), as it found them now."""
+        with self._mutex:
+            self.index.refresh()
+            return list(self.index.bad.values())
+
+    def references(self, digest: str) -> int:
+        """How many entries reference the object ``digest``."""
+        with self._mutex:
+            return self.index.refcount.get(digest, 0)
+
+    def pinned(self, entry_id: str) -> bool:
+        """Whether a live (unexpired) pin holds the entry."""
+        return entry_id in live_pins(self.layout, self.lease_seconds)
+
+    def check_verified(self, ref: PageRef) -> None:
+        """Re-hash one object of an entry; raises ``ObjectError`` unless it is intact."""
+        self.objects.check_verified(ref.digest, ref.size)
+
+    @staticmethod
+    def verify_root(root: str, namespace: str = "default") -> VerifyReport:
+        """Full integrity sweep of the store at ``root``: every manifest decoded, every
+        object re-hashed (read-only; nothing is recovered or loaded first)."""
+        return verify_store(StoreLayout.create(root, namespace, make=False))
 
     def _report_capacity(self) -> None:
         if self.metrics is not None:
