@@ -155,10 +155,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     settings = _settings(args, args.root)
-    from .store import verify_store
-    from .store.layout import StoreLayout
+    from .store import PageStore
 
-    report = verify_store(StoreLayout.create(settings.root, settings.namespace, make=False))
+    report = PageStore.verify_root(settings.root, settings.namespace)
     for problem in report.problems:
         broken = ", ".join(problem.entries) or "(no entry)"
         print(f"BAD {problem.kind}: {problem.path}: {problem.detail}; breaks entries: {broken}")
@@ -191,12 +190,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     settings = _settings(args, args.root)
-    from .store.objects import ObjectError
-    from .store.pins import live_pins
+    from .store import ObjectError
 
     store = _open(settings, writer=False)
-    matches = [e for e in store.index.entries if e.startswith(args.entry)]
-    bad = [b for e, b in store.index.bad.items() if e.startswith(args.entry)]
+    matches = [e for e in store.entries() if e.entry_id.startswith(args.entry)]
+    bad = [b for b in store.bad_manifests() if b.entry_id.startswith(args.entry)]
     if bad and not matches:
         for b in bad:
             print(f"entry {b.entry_id}: BAD manifest {b.path}: {b.detail}")
@@ -205,7 +203,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"inspect: {len(matches)} entries match {args.entry!r}; give a longer prefix "
               "(list them with: ls ROOT/NAMESPACE/manifests/*/)", file=sys.stderr)
         return 1
-    entry = store.index.entries[matches[0]]
+    entry = matches[0]
     m = entry.manifest
     print(f"entry {m.entry_id}")
     print(f"  manifest   {entry.path} ({entry.manifest_bytes} bytes)")
@@ -216,16 +214,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{sum(p.size for p in m.pages)} bytes")
     print(f"  created    {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.created_at))}")
     print(f"  last used  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.last_access))}")
-    print(f"  pinned     {'yes' if m.entry_id in live_pins(store.layout, store.lease_seconds) else 'no'}")
+    print(f"  pinned     {'yes' if store.pinned(m.entry_id) else 'no'}")
     if m.state is not None:
         print(f"  state      recurrent state after block {m.block_count}, {m.state.size} bytes")
     status = 0
     named = [(f"page {i:4d}", page) for i, page in enumerate(m.pages)]
     for label, page in named + ([("state    ", m.state)] if m.state is not None else []):
-        state = "shared" if store.index.refcount.get(page.digest, 0) > 1 else "own"
+        state = "shared" if store.references(page.digest) > 1 else "own"
         if args.verify:
             try:
-                store.objects.check_verified(page.digest, page.size)
+                store.check_verified(page)
                 state += ", verified"
             except ObjectError as exc:
                 state += f", BAD {exc.reason}: {exc.detail}"

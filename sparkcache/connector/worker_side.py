@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkcache.store import cpus
 from sparkcache.store.manifests import pages_needed
-from sparkcache.store.objects import ObjectError
+from sparkcache.store import ObjectError
 from sparkcache.store.reasons import Reason
 
 from .capture_slots import CaptureSlots

@@ -3,6 +3,7 @@
 from .identity import Identity, block_key, entry_id_for
 from .maintenance import MaintenanceThread, PassBudget, PassReport, pass_due, run_pass
 from .manifests import Manifest, PageRef
+from .objects import ObjectError
 from .pagestore import PageStore
 from .reasons import Reason
 from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
@@ -12,7 +13,7 @@ from .verify import Problem, VerifyReport, verify_store
 
 __all__ = [
     "CapacitySnapshot", "EntryHandle", "Identity", "IncompleteUnit", "LookupResult", "MaintenanceThread",
-    "Manifest", "PageRef", "PageStore", "PassBudget", "PassReport", "Problem", "PublishResult",
+    "Manifest", "ObjectError", "PageRef", "PageStore", "PassBudget", "PassReport", "Problem", "PublishResult",
     "ReadResult", "Reason", "RecoveryReport", "VerifyReport", "block_key", "entry_id_for", "incomplete_units",
     "pass_due", "run_pass", "shard_units", "verify_store",
 ]

@@ -20,6 +20,10 @@ still fits):
   5. with time left, sweeps a few object shards for objects no manifest or live
      publication references (crash leftovers, superseded tails).
 A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``.
+
+A pass drives the store's collector (``collector.py``: the crash-safe deletions, the sweep,
+and the state that carries from pass to pass) against the store's limits; this module holds
+the pacing, the plan and the thread.
 """
 
 from __future__ import annotations
@@ -33,17 +37,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import cpus
-from .layout import UnsafePathError, is_identity_digest, parallel_map, sync_all
-from .locks import LockTimeout, exclusive_lock
+from .layout import UnsafePathError
+from .locks import LockTimeout
 from .pacing import PassClock, runqueue_wait_s
-from .pins import live_pins
-from .results import CapacitySnapshot
 from .units import shard_units
 
 if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .collector import Collector
     from .pagestore import PageStore
 
-_SHARDS = [f"{i:02x}" for i in range(256)]
 log = logging.getLogger("sparkcache.store")
 
 
@@ -97,56 +100,44 @@ class PassReport:
         return self.duration_s * 1000.0 > self.budget_ms * (1.0 + OVERRUN_TOLERANCE)
 
 
-class ShardCursor:
-    """Round-robin cursor over the 256 object shards: where a store's next sweep starts."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def take(self, n: int) -> list[str]:
-        shards = [_SHARDS[(self.next + i) % 256] for i in range(n)]
-        self.next = (self.next + n) % 256
-        return shards
-
-
 def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
              now: float | None = None) -> PassReport:
     """One budgeted pass (see the module docstring). Its ``duration_s`` is wall time from
     the call to the return, lock wait included; the pass plans to end by 80% of the budget
     and starts a unit of work only when its running cost estimate still fits."""
     started_wall = time.time() if now is None else now
-    clock = PassClock(store.unit_costs, budget.max_ms)
+    collector = store.collector
+    clock = PassClock(collector.unit_costs, budget.max_ms)
     cpu0 = time.thread_time()
     runq0 = runqueue_wait_s()
-    index = store.index
     metrics = store.metrics
     if metrics is not None:
         metrics.on_pass_start()
-    used_before = index.used_bytes
+    used_before = collector.catalog.used_bytes
     evicted = expired_n = reclaimed = orphans = orphan_bytes = swept = skipped = remaining = 0
     fsync_s = lock_wait_s = plan_s = 0.0
     stopped_by = "done"
     try:
-        with exclusive_lock(store.layout, timeout_s=clock.lock_timeout()):
+        with collector.exclusive(timeout_s=clock.lock_timeout()):
             lock_wait_s = time.monotonic() - clock.start
             plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, started_wall))
             plan_s = time.monotonic() - clock.start - lock_wait_s
             protected = plan.protected
             # 1. finish what earlier passes left: fsync their manifest dirs, then delete their
             #    objects, each only when it is expected to fit
-            if store.unsynced_dirs:
+            if collector.unsynced_dirs:
                 if clock.fits("fsync"):
-                    fsync_s += store.sync_dropped_locked(clock)
+                    fsync_s += collector.sync_dropped(clock)
                 else:
                     stopped_by = "time"
-            deleted, all_deleted = store.delete_deferred_locked(protected, clock)
+            deleted, all_deleted = collector.delete_deferred(protected, clock)
             reclaimed += deleted
             if not all_deleted:
                 stopped_by = "time"
             # 2. drop manifests, oldest first, a parallel batch at a time, while the batch
             #    and the fsync that must follow it fit
             if stopped_by == "done":
-                stopped_by, n, n_expired, freed, pending = _drop_planned(store, plan, budget, clock)
+                stopped_by, n, n_expired, freed, pending = _drop_planned(collector, plan, budget, clock)
                 evicted += n
                 expired_n += n_expired
                 reclaimed += freed
@@ -155,16 +146,16 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
             else:  # out of time on earlier work: the planned evictions are all still to do
                 remaining = _count_rest(plan.items, clock.work_deadline)
             # 3. make the drops durable, then delete the objects they freed
-            if store.unsynced_dirs and clock.fits("fsync"):
-                fsync_s += store.sync_dropped_locked(clock)
-            deleted, all_deleted = store.delete_deferred_locked(protected, clock)
+            if collector.unsynced_dirs and clock.fits("fsync"):
+                fsync_s += collector.sync_dropped(clock)
+            deleted, all_deleted = collector.delete_deferred(protected, clock)
             reclaimed += deleted
-            if (not all_deleted or store.unsynced_dirs) and stopped_by == "done":
+            if (not all_deleted or collector.unsynced_dirs) and stopped_by == "done":
                 stopped_by = "time"
             # 4. orphan sweep with the time left
             if stopped_by == "done" and sweep_shards > 0:
-                orphans, orphan_bytes, swept, sweep_fsync_s = _sweep(store, protected, clock,
-                                                                     sweep_shards)
+                orphans, orphan_bytes, swept, sweep_fsync_s = collector.sweep(protected, clock,
+                                                                              sweep_shards)
                 fsync_s += sweep_fsync_s
                 if swept < sweep_shards:
                     stopped_by = "time"
@@ -174,13 +165,8 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
         stopped_by = "error"
         log.warning("sparkcache: maintenance pass stopped: %s", exc)
     clock.finish()
-    with store._mutex:
-        used_after = index.used_bytes
-        store.draining = store.draining and used_after > store.low_watermark_bytes
-        entries_after = len(index.entries)
-        deferred = len(index.deferred)
-        snapshot = CapacitySnapshot(entries_after, used_after, store.max_bytes,
-                                    store.low_watermark_bytes, len(index.bad))
+    snapshot, deferred = collector.end_pass(store.max_bytes, store.low_watermark_bytes)
+    used_after, entries_after = snapshot.used_bytes, snapshot.entries
     report = PassReport(started_wall, time.monotonic() - clock.start, budget.max_ms,
                         evicted - expired_n, expired_n, reclaimed + orphan_bytes, orphans,
                         orphan_bytes, swept, skipped, remaining, deferred, stopped_by, used_before,
@@ -203,19 +189,15 @@ class _Plan:
 def _locked_plan(store: PageStore, now: float) -> tuple[_Plan, int, int]:
     """Under the exclusive lock: live intents, re-listed manifests, recency, pins, the plan.
     Returns (plan, pinned entries skipped, used bytes before the pass)."""
-    protected = store.locked_view_refresh()
-    with store._mutex:
-        store.index.refresh_recency()
-        pinned = live_pins(store.layout, store.lease_seconds, now, remove_expired=True)
-        used_before = store.index.used_bytes
-        if used_before > store.max_bytes:
-            store.draining = True  # evict down to the low watermark, over several passes
-        items = _plan(store, pinned, now)
-        skipped = next(items)
+    collector = store.collector
+    protected, pinned, used_before, by_age = collector.begin_pass(now, store.lease_seconds,
+                                                                  store.max_bytes)
+    items = _plan(store, collector.catalog, by_age, pinned, collector.draining, now)
+    skipped = next(items)
     return _Plan(protected, items), skipped, used_before
 
 
-def _drop_planned(store: PageStore, plan: _Plan, budget: PassBudget, clock: PassClock):
+def _drop_planned(collector: Collector, plan: _Plan, budget: PassBudget, clock: PassClock):
     """Drop planned manifests in parallel batches within the budget. Returns (stopped_by,
     entries dropped, of them expired, manifest bytes, whether planned work is left)."""
     evicted = expired_n = reclaimed = 0
@@ -252,14 +234,14 @@ def _drop_planned(store: PageStore, plan: _Plan, budget: PassBudget, clock: Pass
             if not joined and evicted > 0 and planned_bytes + est > budget.max_bytes:
                 stopped_by, pending = "bytes", item
                 break
-            path, nbytes, _ = store.forget_entry_locked(entry_id)
+            path, nbytes, _ = collector.forget(entry_id)
             if path is not None:
                 paths.append(path)
                 reclaimed += nbytes
             planned_bytes += est
             evicted += 1
             expired_n += expired
-        store.unlink_paths(paths, clock)
+        collector.unlink(paths, clock)
         if stopped_by != "done" or pending is None:
             break
     return stopped_by, evicted, expired_n, reclaimed, pending is not None
@@ -268,21 +250,21 @@ def _drop_planned(store: PageStore, plan: _Plan, budget: PassBudget, clock: Pass
 _DROP_BATCH = 16  # manifests unlinked in parallel as one unit
 
 
-def _plan(store: PageStore, pinned: set[str], now: float):
-    """Generator: first yields the number of pinned entries skipped, then
-    ``(entry_id, expected bytes freed, expired, joined)`` oldest first: TTL-expired entries,
-    then least-recently-used ones until the projected use is at or under the low watermark;
-    each followed by the other shards of its unit (``joined``: True), and no unit of which
-    a shard is pinned.
-    Lazy, so the planning work of a pass is bounded by the pass's own budget. Call under
-    ``store._mutex``-free conditions only from ``run_pass`` (it reads the index)."""
-    index = store.index
-    by_age = sorted(index.entries.values(), key=lambda e: e.last_access)
+def _plan(store: PageStore, catalog: Catalog, by_age: list, pinned: set[str], draining: bool,
+          now: float):
+    """Generator over ``by_age`` (the entries, least recently used first): first yields the
+    number of pinned entries skipped, then ``(entry_id, expected bytes freed, expired,
+    joined)`` oldest first: TTL-expired entries, then least-recently-used ones until the
+    projected use is at or under the low watermark (the store's limits); each followed by
+    the other shards of its unit (``joined``: True), and no unit of which a shard is pinned.
+    Lazy, so the planning work of a pass is bounded by the pass's own budget. Only for
+    ``run_pass``, under the exclusive gc lock: it reads the catalog without the in-process
+    lock (only this pass removes entries meanwhile)."""
     units = shard_units(by_age)
     candidates = [e for e in by_age if not any(s.entry_id in pinned for s in units[e.entry_id])]
     yield len(by_age) - len(candidates)
     dropping: dict[str, int] = {}
-    projected = index.used_bytes - index.deferred_bytes()  # deferred objects go anyway
+    projected = catalog.used_bytes - catalog.deferred_bytes()  # deferred objects go anyway
     planned: set[str] = set()
 
     def drop(e: Any, expired: bool):
@@ -291,18 +273,18 @@ def _plan(store: PageStore, pinned: set[str], now: float):
             if shard.entry_id in planned:
                 continue
             planned.add(shard.entry_id)
-            free = index.entry_free_bytes(shard, dropping)
+            free = catalog.entry_free_bytes(shard, dropping)
             projected -= free
             # a joined shard counts as expired only if it is (it goes with its unit anyway)
             own = expired and (shard is e or now - shard.last_access > store.ttl_seconds)
             yield shard.entry_id, free, own, joined > 0
-            _forget_if_removed(index, shard, dropping)
+            _forget_if_removed(catalog, shard, dropping)
 
     if store.ttl_seconds > 0:
         for e in candidates:
             if now - e.last_access > store.ttl_seconds:
                 yield from drop(e, True)
-    over = projected > store.max_bytes or (store.draining and projected > store.low_watermark_bytes)
+    over = projected > store.max_bytes or (draining and projected > store.low_watermark_bytes)
     # below the free-space floor: evict this much more, and an eighth of the floor beyond it
     # so that publications resume (they need the floor kept after their own bytes)
     short = store.free_space_deficit()
@@ -315,10 +297,10 @@ def _plan(store: PageStore, pinned: set[str], now: float):
             yield from drop(e, False)
 
 
-def _forget_if_removed(index: Any, entry: Any, dropping: dict[str, int]) -> None:
-    """The consumer really evicted ``entry``: its references are gone from the index's
+def _forget_if_removed(catalog: Catalog, entry: Any, dropping: dict[str, int]) -> None:
+    """The consumer really evicted ``entry``: its references are gone from the catalog's
     refcounts, so they must not be subtracted a second time."""
-    if entry.entry_id not in index.entries:
+    if catalog.entry(entry.entry_id) is None:
         for page in entry.unique_pages:
             dropping[page.digest] -= 1
 
@@ -333,46 +315,6 @@ def _count_rest(plan, until: float) -> int:
     return count
 
 
-def _sweep(store: PageStore, protected: set[str], clock: PassClock,
-           n_shards: int) -> tuple[int, int, int, float]:
-    """Delete unreferenced objects in up to ``n_shards`` shards while time allows.
-    Returns (objects deleted, bytes freed, shards swept, seconds spent in fsync)."""
-    count = freed = swept = 0
-    if store.unsynced_dirs or not clock.fits("fsync"):
-        return 0, 0, 0, 0.0
-    # Another process's manifest unlinks must be durable before their objects go.
-    dirs = [store.layout.identity_dir(d) for d in store.layout.listdir(store.layout.manifests_dir)
-            if is_identity_digest(d)]
-    t0 = time.monotonic()
-    clock.run("fsync", lambda: sync_all(store.fsync_dir_if_safe, dirs, "maintenance"))
-    fsync_s = time.monotonic() - t0
-    for _ in range(n_shards):
-        if not clock.fits("shard"):
-            break
-        shard = store.shard_cursor.take(1)[0]
-        swept += 1
-        garbage = clock.run("shard", lambda: _sweep_shard(store, shard, protected))
-        count += len(garbage)
-        freed += sum(garbage)
-    return count, freed, swept, fsync_s
-
-
-def _sweep_shard(store: PageStore, shard: str, protected: set[str]) -> list[int]:
-    """Unlink (in parallel) the unreferenced objects of one shard; returns their sizes."""
-    garbage = [(digest, size) for digest, size in store.objects.iter_shard(shard)
-               if digest not in store.index.refcount and digest not in protected
-               and digest not in store.index.deferred]
-    done = parallel_map(lambda item: _unlink_counted(store, item[0]), garbage, "maintenance")
-    return [size for (_, size), ok in zip(garbage, done) if ok]
-
-
-def _unlink_counted(store: PageStore, digest: str) -> bool:
-    try:
-        return store.layout.unlink(store.layout.object_path(digest))
-    except (OSError, UnsafePathError):
-        return False  # a shard swapped for a link meanwhile: never followed
-
-
 def pass_due(store: PageStore, now: float | None = None) -> bool:
     """Whether capacity, the free-space floor or TTL asks for a pass (cheap: the in-memory
     view and one statvfs)."""
@@ -380,13 +322,12 @@ def pass_due(store: PageStore, now: float | None = None) -> bool:
     cap = store.capacity()
     if cap.used_bytes > store.max_bytes:
         return True
-    if store.draining and cap.used_bytes > store.low_watermark_bytes:
+    if store.collector.draining and cap.used_bytes > store.low_watermark_bytes:
         return True
     if store.free_space_deficit() > 0 and cap.entries:
         return True
     if store.ttl_seconds > 0:
-        with store._mutex:
-            return any(now - e.last_access > store.ttl_seconds for e in store.index.entries.values())
+        return store.collector.any_expired(now, store.ttl_seconds)
     return False
 
 

@@ -5,8 +5,12 @@ objects (temp, fdatasync, rename) -> fsync their directories -> write the manife
 fdatasync, rename) -> fsync its directory -> drop the intent. A crash at any point leaves
 either the complete entry or no entry; the leftovers are collected later.
 
-Several processes may share one root; the cross-process rules live in ``locks``,
-``staging`` and ``pins``. Inside one process, ``_mutex`` guards the in-memory index.
+The store is three parts behind this one way in: the object backend (``objects``: durable
+put, verified get, list, remove), the catalog (``catalog``: the manifests and their
+in-memory index) and the collector (``collector``: eviction, deferred deletions, the orphan
+sweep, with its own state). Several processes may share one root; the cross-process rules
+live in ``locks``, ``staging`` and ``pins``. Inside one process, ``_mutex`` guards the
+catalog; the collector receives it.
 """
 
 from __future__ import annotations
@@ -16,20 +20,21 @@ import threading
 import time
 from typing import Any, Sequence
 
+from .catalog import Catalog
+from .collector import Collector
 from .identity import BlockHash, Identity, block_keys, entry_id_for
-from .index import EntryIndex, IndexedEntry
-from .layout import StoreLayout, UnsafePathError, allocated, parallel_map, sync_all
-from .locks import PIN_WAIT_S, exclusive_lock, shared_lock
+from .index import BadManifest, IndexedEntry
+from .layout import StoreLayout, UnsafePathError, allocated
+from .locks import PIN_WAIT_S, shared_lock
 from .manifests import Manifest, PageRef, encode, pages_needed
 from .objects import ObjectError, ObjectStore
-from .maintenance import ShardCursor
-from .pacing import UnitCosts
 from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
 from .reasons import Reason
 from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
+from .verify import VerifyReport, verify_store
 from ..settings import format_bytes
 
 
@@ -56,18 +61,15 @@ class PageStore:
         self.ttl_seconds = ttl_seconds
         self.page_blocks = page_blocks
         self.metrics = metrics
-        self.index = EntryIndex(self.layout, unit)
+        self.catalog = Catalog(self.layout, unit)
         self._mutex = threading.RLock()
+        self.collector = Collector(self.layout, self.catalog, self.objects, self._mutex)
         self.last_recovery: RecoveryReport | None = None
-        self.draining = False  # above max once; evicting until at or under the low watermark
-        self.unsynced_dirs: set[str] = set()  # manifest dirs with unlinks not yet fsynced
-        self.unit_costs = UnitCosts()  # what maintenance's units of work recently cost
-        self.shard_cursor = ShardCursor()  # where maintenance's next orphan sweep starts
         if not read_only:
             self.recover()
         else:
             with self._mutex:
-                self.index.refresh(force=True)
+                self.catalog.refresh(force=True)
         self._report_capacity()
 
     @classmethod
@@ -89,8 +91,8 @@ class PageStore:
         """
         _, cleaned = read_live_intents(self.layout, remove_stray_dirs=True)
         with self._mutex:
-            self.index.refresh(force=True)
-            report = RecoveryReport(cleaned, len(self.index.entries), len(self.index.bad))
+            self.catalog.refresh(force=True)
+            report = RecoveryReport(cleaned, self.catalog.entry_count, self.catalog.bad_count)
         self.last_recovery = report
         return report
 
@@ -122,14 +124,14 @@ class PageStore:
         idd = identity.digest()
         entry_id = entry_id_for(idd, keys[-1])
         with self._mutex:
-            self.index.refresh()
-            if self.index.used_bytes > self.max_bytes:
+            self.catalog.refresh()
+            if self.catalog.used_bytes > self.max_bytes:
                 return self._failed(Reason.OVER_CAPACITY, started, entry_id,
-                                    f"store holds {self.index.used_bytes} bytes, above "
+                                    f"store holds {self.catalog.used_bytes} bytes, above "
                                     f"max_bytes={self.max_bytes}; maintenance will evict down to "
                                     "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
             # what this publication allocates at most: its new objects and the manifest
-            unit = self.index.alloc_unit
+            unit = self.catalog.alloc_unit
             incoming = (sum(allocated(len(p), unit) for p in pages if p is not None) + unit
                         + (allocated(len(state), unit) if state is not None else 0))
             if self.free_space_deficit(incoming) > 0:
@@ -154,8 +156,8 @@ class PageStore:
             manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time(),
                                 state_ref)
             writer.commit(staging.temp_path("manifest"),
-                          encode(manifest), self.layout.manifest_path(idd, entry_id),
-                          lambda: self._make_identity_dir(idd))
+                          encode(manifest), self.catalog.manifest_path(idd, entry_id),
+                          lambda: self.catalog.make_identity_dir(idd))
         except BaseObjectGone as exc:
             return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
         except (OSError, UnsafePathError) as exc:  # LockTimeout is an OSError too
@@ -167,7 +169,7 @@ class PageStore:
         written = sum(1 for r in refs if r.digest in writer.written_digests)
         bytes_written = writer.bytes_written
         with self._mutex:
-            self.index.load(idd, entry_id)
+            self.catalog.add_published(idd, entry_id)
             self.free_wanted = 0
         superseded = self._supersede_shorter(idd, keys)
         result = PublishResult(True, Reason.PUBLISHED, entry_id, "", written, len(refs) - written,
@@ -182,7 +184,7 @@ class PageStore:
         wanted = [i for i, p in enumerate(pages) if p is None]
         if not wanted:
             return {}
-        entry, depth = self.index.longest_match(idd, keys)
+        entry, depth = self.catalog.longest_match(idd, keys)
         out: dict[int, PageRef] = {}
         for i in wanted:
             end_new = min((i + 1) * bpp, len(keys))
@@ -194,19 +196,12 @@ class PageStore:
             out[i] = entry.manifest.pages[i]
         return out
 
-    def _make_identity_dir(self, idd: str) -> list[str]:
-        """Create the identity's manifest directory if needed; returns the directories to
-        fsync before a manifest is renamed into it (its parent, when it is new)."""
-        if self.layout.make_dir(self.layout.identity_dir(idd)):
-            return [self.layout.manifests_dir]
-        return []
-
     def _supersede_shorter(self, idd: str, keys: list[str]) -> tuple[str, ...]:
         """Evict entries that the new one extends (their blocks are all in it and they hold no
         recurrent state), unless pinned.
         Best effort: skipped when the collector holds the lock."""
         with self._mutex:
-            shorter = self.index.entries_ending_within(idd, keys)
+            shorter = self.catalog.entries_ending_within(idd, keys)
         return self.discard(shorter) if shorter else ()
 
     def discard(self, entry_ids: Sequence[str]) -> tuple[str, ...]:
@@ -215,16 +210,7 @@ class PageStore:
         the collector holds the lock or the disk fails (the caller may try again later)."""
         if self.read_only:
             raise PermissionError(f"{self.layout.base}: opened read-only; removing entries needs a writer")
-        try:
-            with exclusive_lock(self.layout, timeout_s=0.0):
-                protected = self.locked_view_refresh()
-                pinned = live_pins(self.layout, self.lease_seconds)
-                done = tuple(e for e in entry_ids if e not in pinned and e in self.index.entries)
-                if done:
-                    self.evict_locked(done, protected)
-                return done
-        except (OSError, UnsafePathError):  # held by another (LockTimeout), or a bad disk
-            return ()
+        return self.collector.discard(entry_ids, self.lease_seconds)
 
     def _failed(self, reason: Reason, started: float, entry_id: str, detail: str) -> PublishResult:
         result = PublishResult(False, reason, entry_id, detail,
@@ -256,9 +242,9 @@ class PageStore:
     def _lookup(self, idd: str, keys: list[str], lease: bool, verify: bool,
                 with_state: bool) -> LookupResult:
         with self._mutex:
-            self.index.refresh()
-            entry, depth = self.index.longest_match(idd, keys, with_state=with_state)
-            refused = self._refused_deeper_manifest(idd, keys, depth)
+            self.catalog.refresh()
+            entry, depth = self.catalog.longest_match(idd, keys, with_state=with_state)
+            refused = self.catalog.refused_deeper(idd, keys, depth)
         if entry is None:
             if refused is not None:
                 return self._miss(refused.reason, refused.entry_id,
@@ -281,30 +267,11 @@ class PageStore:
             if lease_id is None:
                 return self._miss(Reason.ABSENT, entry.entry_id, "entry was evicted during the lookup")
         if not self.read_only:
-            self._touch(entry)
+            self.catalog.touch(entry, time.time())
         result = LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
         if self.metrics is not None:
             self.metrics.on_lookup(result)
         return result
-
-    def _touch(self, entry: IndexedEntry) -> None:
-        """Record an access (LRU) in the manifest's mtime, visible to every process; best
-        effort (a read-only or full disk keeps the old time)."""
-        now = time.time()
-        try:
-            self.layout.touch(entry.path, now)
-            entry.last_access = now
-        except (OSError, UnsafePathError):
-            pass
-
-    def _refused_deeper_manifest(self, idd: str, keys: list[str], depth: int):
-        if not any(b.identity_digest == idd for b in self.index.bad.values()):
-            return None
-        for j in range(len(keys) - 1, depth - 1, -1):
-            bad = self.index.bad.get(entry_id_for(idd, keys[j]))
-            if bad is not None:
-                return bad
-        return None
 
     def read(self, handle: EntryHandle, n_blocks: int | None = None, *, mapped: bool = False) -> ReadResult:
         """Verified bytes of the pages holding the first ``n_blocks`` blocks (with ``mapped``:
@@ -357,7 +324,7 @@ class PageStore:
         """Pin an entry for ``lease_seconds``; None if it no longer exists. Raises
         ``LockTimeout`` or the filesystem's error (``lookup`` turns them into misses)."""
         with self._mutex:
-            entry = self.index.entries.get(entry_id)
+            entry = self.catalog.entry(entry_id)
         if entry is None:
             return None
         with shared_lock(self.layout, PIN_WAIT_S):
@@ -373,130 +340,13 @@ class PageStore:
         if lease_id:
             release_pin(self.layout, lease_id)
 
-    # ------------------------------------------------------------------ eviction primitive
-
-    def evict_locked(self, entry_ids: Sequence[str], protected: set[str]) -> int:
-        """Evict entries completely: manifests, fsync, then the objects only they referenced.
-        Returns bytes reclaimed. Caller holds the exclusive gc lock and has refreshed the
-        index with ``force=True`` after reading ``protected`` (see ``locked_view_refresh``).
-        Deletes only these entries' objects; older deferred work is maintenance's."""
-        reclaimed, freed = 0, set()
-        for entry_id in entry_ids:
-            path, nbytes, digests = self.forget_entry_locked(entry_id)
-            if path is not None:
-                reclaimed += nbytes
-                freed.update(digests)
-                self._unlink_quietly(path)
-        self.sync_dropped_locked()
-        deleted, _ = self.delete_deferred_locked(protected, only=freed)
-        return reclaimed + deleted
-
-    def drop_manifests_locked(self, entry_ids: Sequence[str], clock: Any = None) -> int:
-        """Unlink manifests (not yet fsynced; in parallel) and defer the objects they alone
-        referenced. Returns the manifests' bytes. With ``clock`` (a ``PassClock``) the
-        unlinks are timed as one unit."""
-        reclaimed, paths = 0, []
-        for entry_id in entry_ids:
-            path, nbytes, _ = self.forget_entry_locked(entry_id)
-            if path is not None:
-                paths.append(path)
-                reclaimed += nbytes
-        self.unlink_paths(paths, clock)
-        return reclaimed
-
-    def forget_entry_locked(self, entry_id: str) -> tuple[str | None, int, list[str]]:
-        """Remove an entry from the view and mark its manifest's directory unsynced; the
-        caller unlinks the returned path. Returns (path, manifest bytes, deferred digests)."""
-        with self._mutex:
-            entry = self.index.entries.get(entry_id)
-            if entry is None:
-                return None, 0, []
-            self.unsynced_dirs.add(os.path.dirname(entry.path))
-            sizes = {p.digest: self.index.object_size.get(p.digest, 0) for p in entry.unique_pages}
-            freed = self.index.remove(entry_id)
-            for digest in freed:
-                self.index.deferred[digest] = sizes[digest]
-            return entry.path, allocated(entry.manifest_bytes, self.index.alloc_unit), freed
-
-    def unlink_paths(self, paths: list[str], clock: Any = None) -> None:
-        """Unlink files in parallel. An unlink that frees data blocks can wait on the device
-        (ext4 with online discard issues the discard inside the unlink and waits for it,
-        queued behind pending writes); parallel unlinks share that wait."""
-        if not paths:
-            return
-        work = lambda: parallel_map(self._unlink_quietly, paths, "maintenance")  # noqa: E731
-        clock.run("unlink_batch", work) if clock is not None else work()
-
-    def _unlink_quietly(self, path: str) -> None:
-        try:
-            self.layout.unlink(path)
-        except (OSError, UnsafePathError):
-            pass  # a directory, or a link on the way: never followed; verify reports it
-
-    def fsync_dir_if_safe(self, path: str) -> None:
-        """fsync a store directory; one that is gone or not a real directory any more
-        holds nothing to make durable."""
-        try:
-            self.layout.fsync_dir(path)
-        except (FileNotFoundError, UnsafePathError):
-            pass
-
-    def sync_dropped_locked(self, clock: Any = None) -> float:
-        """fsync the directories of dropped manifests, so no crash can bring one back after
-        its objects are deleted. Returns the seconds it took."""
-        with self._mutex:
-            dirs = sorted(self.unsynced_dirs)
-        if not dirs:
-            return 0.0
-        t0 = time.monotonic()
-        work = lambda: sync_all(self.fsync_dir_if_safe, dirs, "maintenance")  # noqa: E731
-        clock.run("fsync", work) if clock is not None else work()
-        with self._mutex:
-            self.unsynced_dirs.difference_update(dirs)
-        return time.monotonic() - t0
-
-    def delete_deferred_locked(self, protected: set[str], clock: Any = None,
-                               only: set[str] | None = None) -> tuple[int, bool]:
-        """Delete deferred objects that are still garbage, in parallel batches; with ``clock``
-        (a ``PassClock``) only while the next batch is expected to fit. ``only`` limits it to
-        those digests. Returns (bytes reclaimed, whether none of them are left). Does nothing
-        while a dropped manifest's directory is not yet fsynced."""
-        with self._mutex:
-            pending = [d for d in self.index.deferred if only is None or d in only]
-        if self.unsynced_dirs:
-            return 0, not pending
-        reclaimed = 0
-        while pending:
-            if clock is not None and not clock.fits("unlink_batch"):
-                return reclaimed, False
-            batch = []
-            with self._mutex:
-                for digest in pending[:_UNLINK_BATCH]:
-                    self.index.deferred.pop(digest, None)
-                    if digest in protected or digest in self.index.refcount:
-                        continue  # referenced again (a publication reused it): not garbage
-                    batch.append(digest)
-            pending = pending[_UNLINK_BATCH:]
-            work = lambda: parallel_map(self.objects.remove, batch, "maintenance")  # noqa: E731
-            sizes = clock.run("unlink_batch", work) if clock is not None else work()
-            reclaimed += sum(sizes)
-        return reclaimed, True
-
-    def locked_view_refresh(self) -> set[str]:
-        """Under the exclusive gc lock: digests of live publications, then a full re-list of
-        the manifests (in that order, so an entry published meanwhile is seen by one of them)."""
-        protected, _ = read_live_intents(self.layout)
-        with self._mutex:
-            self.index.refresh(force=True)
-        return protected
-
     # ------------------------------------------------------------------ views
 
     def capacity(self) -> CapacitySnapshot:
         with self._mutex:
-            self.index.refresh()
-            return CapacitySnapshot(len(self.index.entries), self.index.used_bytes,
-                                    self.max_bytes, self.low_watermark_bytes, len(self.index.bad))
+            self.catalog.refresh()
+            return CapacitySnapshot(self.catalog.entry_count, self.catalog.used_bytes,
+                                    self.max_bytes, self.low_watermark_bytes, self.catalog.bad_count)
 
     def free_bytes(self) -> int:
         """Bytes the filesystem under the store has free for this process (``f_bavail``)."""
@@ -518,20 +368,42 @@ class PageStore:
     def entries(self) -> list[IndexedEntry]:
         """Every published entry, as the store holds them now."""
         with self._mutex:
-            self.index.refresh()
-            return list(self.index.entries.values())
+            self.catalog.refresh()
+            return self.catalog.entries()
 
     def entry(self, entry_id: str) -> IndexedEntry | None:
         with self._mutex:
-            self.index.refresh()
-            return self.index.entries.get(entry_id)
+            self.catalog.refresh()
+            return self.catalog.entry(entry_id)
+
+    def bad_manifests(self) -> list[BadManifest]:
+        """Manifest files the store refuses to read (corrupt, unsafe), as it found them now."""
+        with self._mutex:
+            self.catalog.refresh()
+            return self.catalog.bad_manifests()
+
+    def references(self, digest: str) -> int:
+        """How many entries reference the object ``digest``."""
+        with self._mutex:
+            return self.catalog.references(digest)
+
+    def pinned(self, entry_id: str) -> bool:
+        """Whether a live (unexpired) pin holds the entry."""
+        return entry_id in live_pins(self.layout, self.lease_seconds)
+
+    def check_verified(self, ref: PageRef) -> None:
+        """Re-hash one object of an entry; raises ``ObjectError`` unless it is intact."""
+        self.objects.check_verified(ref.digest, ref.size)
+
+    @staticmethod
+    def verify_root(root: str, namespace: str = "default") -> VerifyReport:
+        """Full integrity sweep of the store at ``root``: every manifest decoded, every
+        object re-hashed (read-only; nothing is recovered or loaded first)."""
+        return verify_store(StoreLayout.create(root, namespace, make=False))
 
     def _report_capacity(self) -> None:
         if self.metrics is not None:
             self.metrics.on_capacity(self.capacity())
-
-
-_UNLINK_BATCH = 16  # files a maintenance unit unlinks in parallel (the maintenance pool size)
 
 
 def _handle_of(entry: IndexedEntry) -> EntryHandle:

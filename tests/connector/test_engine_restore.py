@@ -148,7 +148,7 @@ def long_runs(tmp_path_factory):
           "extra": {"root": str(root), "min_span_tokens": 64}}
     out = {"cold": run_engine(rw, timeout=900), "restored": run_engine(rw, timeout=900)}
     store = PageStore(str(root), read_only=True)
-    (entry,) = store.index.entries.values()
+    (entry,) = store.catalog.entries()
     pages = entry.manifest.pages
     victim = Path(store.objects.path(pages[len(pages) // 2].digest))
     data = bytearray(victim.read_bytes())

@@ -58,11 +58,11 @@ def _tp_env(ranks: int = 2) -> dict[str, str]:
 def _shard(root, prompt: list[int], tp_rank: int):
     """(store, the entry of ``prompt`` that ``tp_rank`` published)."""
     store = PageStore(str(root))
-    store.index.refresh(force=True)
+    store.catalog.refresh(force=True)
     key = BlockKeys(BLOCK).upto(prompt, REUSABLE // BLOCK)[-1]
-    found = [e for e in store.index.entries.values() if e.manifest.identity.tp_rank == tp_rank
+    found = [e for e in store.catalog.entries() if e.manifest.identity.tp_rank == tp_rank
              and e.manifest.block_keys[REUSABLE // BLOCK - 1] == key]
-    assert len(found) == 1, [(e.manifest.identity.tp_rank, e.manifest.block_count) for e in store.index.entries.values()]
+    assert len(found) == 1, [(e.manifest.identity.tp_rank, e.manifest.block_count) for e in store.catalog.entries()]
     return store, found[0]
 
 
@@ -79,9 +79,9 @@ def lives(tiny_model, tmp_path_factory):
           "check_units": {"root": str(root), "ranks": 2}}
     out = {"cold": run_engine(rw, timeout=600, env=env)}
     store = PageStore(str(root))
-    store.index.refresh(force=True)
+    store.catalog.refresh(force=True)
     out["entries"] = sorted((e.manifest.identity.tp_rank, e.manifest.block_count)
-                            for e in store.index.entries.values())
+                            for e in store.catalog.entries())
     out["restored"] = run_engine(rw, timeout=600, env=env)
     store, a = _shard(root, PROMPTS[0], 1)
     victim = store.objects.path(a.manifest.pages[len(a.manifest.pages) // 2].digest)
@@ -237,7 +237,7 @@ def per_rank_root_lives(tmp_path_factory):
     out["roots"] = []
     for rank in (0, 1, 2, 3):
         store = PageStore(str(base / f"rank{rank}"), read_only=True)
-        out["roots"].append(sorted(e.manifest.identity.tp_rank for e in store.index.entries.values()))
+        out["roots"].append(sorted(e.manifest.identity.tp_rank for e in store.catalog.entries()))
     # The restart. Rank 1's root is over its cap, every entry in it pinned (maintenance can
     # free nothing): rank 1 serves the restore of the first prompt but refuses every
     # publication, rank 0's go through (two more prompts).

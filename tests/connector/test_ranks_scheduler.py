@@ -81,9 +81,9 @@ def test_a_hit_refreshes_every_rank_shard(tmp_path):
     side = s.connector._sched
     prompt = _prompt(200, 3)
     store_prefix(s, prompt)
-    side.store.index.refresh(force=True)
+    side.store.catalog.refresh(force=True)
     paths = [side.store.layout.manifest_path(e.manifest.identity.digest(), e.entry_id)
-             for e in side.store.index.entries.values()]
+             for e in side.store.catalog.entries()]
     assert len(paths) == 2
     for path in paths:
         os.utime(path, (1_000_000_000, 1_000_000_000))
@@ -134,8 +134,8 @@ def _stored(s) -> list[tuple[int, int]]:
     """(tp rank, blocks) of every entry in every rank's store."""
     out = []
     for store in dict.fromkeys(s.connector._sched.stores):
-        store.index.refresh(force=True)
-        out += [(e.manifest.identity.tp_rank, e.manifest.block_count) for e in store.index.entries.values()]
+        store.catalog.refresh(force=True)
+        out += [(e.manifest.identity.tp_rank, e.manifest.block_count) for e in store.catalog.entries()]
     return sorted(out)
 
 

@@ -63,7 +63,7 @@ def test_pinned_entry_is_not_evicted(tmp_path):
     assert report.used_bytes_after <= 40 * 1024
     store.release(lease.lease_id)
     store.max_bytes = store.low_watermark_bytes = 8192  # now make room for one entry only
-    store.draining = True
+    store.collector.draining = True
     _age(store, 0, 1000)
     run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
     assert not store.lookup(IDENT, conv_keys(0, 16)).hit
@@ -108,10 +108,10 @@ def test_pass_stops_on_entry_budget_and_reports_remaining(tmp_path):
     assert report.stopped_by == "entries" and report.entries_evicted == 3
     assert report.remaining_entries == 3  # 11 -> 5 entries reaches 40 KiB
     # still draining although now under max: the next passes finish the job
-    assert store.draining and not store.capacity().over_max
+    assert store.collector.draining and not store.capacity().over_max
     report2 = run_pass(store, PassBudget(max_entries=3, max_bytes=1 << 30, max_ms=5000))
     assert report2.entries_evicted == 3 and report2.remaining_entries == 0
-    assert store.capacity().used_bytes <= 40 * 1024 and not store.draining
+    assert store.capacity().used_bytes <= 40 * 1024 and not store.collector.draining
 
 
 def test_pass_stops_on_byte_budget(tmp_path):
@@ -167,7 +167,7 @@ def test_maintenance_thread_keeps_idle_gap_and_store_under_max(tmp_path):
             store.publish(IDENT, conv_keys(conv, 16), conv_pages(conv, 16, 16))
             time.sleep(0.01)
         deadline = time.time() + 10
-        while time.time() < deadline and (store.draining or store.capacity().over_max):
+        while time.time() < deadline and (store.collector.draining or store.capacity().over_max):
             time.sleep(0.05)
     finally:
         thread.stop()
@@ -191,8 +191,8 @@ def test_objects_of_a_dropped_entry_stay_counted_until_deleted(tmp_path):
     lookup = store.lookup(IDENT, conv_keys(0, 16))
     obj = store.objects.path(lookup.handle.pages[0].digest)
     with exclusive_lock(store.layout, 1.0):
-        store.locked_view_refresh()
-        store.drop_manifests_locked([lookup.entry_id])  # what a pass out of time leaves
+        store.collector.refresh_view()
+        store.collector.drop_manifests([lookup.entry_id])  # what a pass out of time leaves
     assert os.path.exists(obj) and store.capacity().entries == 2
     assert store.capacity().used_bytes == before - 4096  # only the manifest is gone yet
     assert verify_store(store.layout).ok

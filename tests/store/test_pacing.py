@@ -40,7 +40,7 @@ def _over_max_store(tmp_path, n=30):
 
 def test_pass_does_not_start_a_unit_it_expects_to_overrun(tmp_path):
     store = _over_max_store(tmp_path)
-    store.unit_costs.estimate["unlink_batch"] = 1.0  # "an unlink batch takes a second"
+    store.collector.unit_costs.estimate["unlink_batch"] = 1.0  # "an unlink batch takes a second"
     report = run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 40, max_ms=50))
     assert report.stopped_by == "time" and report.entries_evicted == 0
     assert report.duration_s < 0.050 * 1.2, report

@@ -93,7 +93,7 @@ def test_growth_without_recapture_uses_none_pages(tmp_path):
 
 def test_shared_objects_counted_once(tmp_path):
     store = open_store(tmp_path, page_blocks=4)
-    unit = store.index.alloc_unit
+    unit = store.catalog.alloc_unit
     store.publish(IDENT, conv_keys(1, 10), conv_pages(1, 10, 4))
     used_one = store.capacity().used_bytes
     # a second entry sharing the two full pages (divergent after 8 blocks)

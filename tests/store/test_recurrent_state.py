@@ -70,10 +70,9 @@ def test_state_is_counted_verified_and_freed_with_its_entry(tmp_path):
     os.unlink(state_path)
     assert store.lookup(IDENT, conv_keys(1, 4), with_state=True).reason == "absent"
     # eviction frees the state object with the pages
-    from sparkcache.store.locks import exclusive_lock
-    with exclusive_lock(store.layout, timeout_s=5):
-        protected = store.locked_view_refresh()
-        store.evict_locked([result.entry_id], protected)
+    with store.collector.exclusive(timeout_s=5):
+        protected = store.collector.refresh_view()
+        store.collector.evict([result.entry_id], protected)
     assert store.capacity().entries == 0
 
 
@@ -81,7 +80,7 @@ def test_manifest_with_state_round_trips_and_old_manifests_encode_unchanged(tmp_
     store = open_store(tmp_path)
     store.publish(IDENT, conv_keys(1, 4), conv_pages(1, 4, 4), state=STATE)
     store.publish(IDENT, conv_keys(2, 4), conv_pages(2, 4, 4))
-    for entry in store.index.entries.values():
+    for entry in store.entries():
         raw = open(entry.path, "rb").read()
         m = decode(raw)
         assert encode(m) == raw

@@ -1,0 +1,153 @@
+"""The catalog: the manifests on disk and the in-memory view of them.
+
+It owns the manifest files' place (``manifests/<identity>/<entry>.mf``), the view
+(``EntryIndex``: entries, the block-hash index, object refcounts, bytes used, the objects of
+dropped entries not deleted yet) and recency (a manifest's mtime is its entry's last
+access). Writing a manifest is publication's (``publication.py``); deleting one, and the
+order that makes a deletion crash-safe, the collector's (``collector.py``).
+
+The catalog takes no lock: ``PageStore`` and the ``Collector`` share one in-process lock
+and hold it around every call here (except where a caller says why a read may go without).
+"""
+
+from __future__ import annotations
+
+from .identity import entry_id_for
+from .index import BadManifest, EntryIndex, IndexedEntry
+from .layout import StoreLayout, UnsafePathError, allocated
+
+
+class Catalog:
+    def __init__(self, layout: StoreLayout, alloc_unit: int) -> None:
+        self.layout = layout
+        self.index = EntryIndex(layout, alloc_unit)
+
+    # ------------------------------------------------------------------ sync with disk
+
+    def refresh(self, force: bool = False) -> None:
+        """Bring the view up to date with the manifests on disk (``force``: re-list all)."""
+        self.index.refresh(force=force)
+
+    def refresh_recency(self) -> None:
+        """Re-read last-access times, which other processes may have touched."""
+        self.index.refresh_recency()
+
+    def add_published(self, identity_digest: str, entry_id: str) -> None:
+        """Read the manifest a publication just renamed into place into the view."""
+        self.index.load(identity_digest, entry_id)
+
+    # ------------------------------------------------------------------ manifest files
+
+    def manifest_path(self, identity_digest: str, entry_id: str) -> str:
+        return self.layout.manifest_path(identity_digest, entry_id)
+
+    def make_identity_dir(self, identity_digest: str) -> list[str]:
+        """Create the identity's manifest directory if needed; returns the directories to
+        fsync before a manifest is renamed into it (its parent, when it is new)."""
+        if self.layout.make_dir(self.layout.identity_dir(identity_digest)):
+            return [self.layout.manifests_dir]
+        return []
+
+    def touch(self, entry: IndexedEntry, now: float) -> None:
+        """Record an access (LRU) in the manifest's mtime, visible to every process; best
+        effort (a read-only or full disk keeps the old time)."""
+        try:
+            self.layout.touch(entry.path, now)
+            entry.last_access = now
+        except (OSError, UnsafePathError):
+            pass
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def alloc_unit(self) -> int:
+        return self.index.alloc_unit
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used_bytes
+
+    @property
+    def entry_count(self) -> int:
+        return len(self.index.entries)
+
+    @property
+    def bad_count(self) -> int:
+        return len(self.index.bad)
+
+    @property
+    def deferred_count(self) -> int:
+        return len(self.index.deferred)
+
+    def entry(self, entry_id: str) -> IndexedEntry | None:
+        return self.index.entries.get(entry_id)
+
+    def entries(self) -> list[IndexedEntry]:
+        return list(self.index.entries.values())
+
+    def bad_manifests(self) -> list[BadManifest]:
+        return list(self.index.bad.values())
+
+    def references(self, digest: str) -> int:
+        """How many entries reference the object ``digest``."""
+        return self.index.refcount.get(digest, 0)
+
+    def longest_match(self, identity_digest: str, keys: list[str], *,
+                      with_state: bool = False) -> tuple[IndexedEntry | None, int]:
+        return self.index.longest_match(identity_digest, keys, with_state=with_state)
+
+    def entries_ending_within(self, identity_digest: str, keys: list[str]) -> list[str]:
+        return self.index.entries_ending_within(identity_digest, keys)
+
+    def refused_deeper(self, identity_digest: str, keys: list[str], depth: int) -> BadManifest | None:
+        """The bad manifest of this identity that holds the longest prefix of ``keys`` deeper
+        than ``depth`` blocks, if any (a lookup reports why it missed there)."""
+        bad = self.index.bad
+        if not any(b.identity_digest == identity_digest for b in bad.values()):
+            return None
+        for j in range(len(keys) - 1, depth - 1, -1):
+            found = bad.get(entry_id_for(identity_digest, keys[j]))
+            if found is not None:
+                return found
+        return None
+
+    # ------------------------------------------------------------------ what eviction reads
+
+    def deferred_bytes(self) -> int:
+        return self.index.deferred_bytes()
+
+    def entry_free_bytes(self, entry: IndexedEntry, dropping: dict[str, int]) -> int:
+        return self.index.entry_free_bytes(entry, dropping)
+
+    def is_garbage(self, digest: str, protected: set[str]) -> bool:
+        """No entry references the object, no live publication declared it, and it is not
+        already deferred (the deletion of deferred objects waits for an fsync)."""
+        return (digest not in self.index.refcount and digest not in protected
+                and digest not in self.index.deferred)
+
+    # ------------------------------------------------------------------ dropping entries
+
+    def forget(self, entry_id: str) -> tuple[str | None, int, list[str]]:
+        """Remove an entry from the view and defer the objects only it referenced (they stay
+        counted as used until deleted). Returns (its manifest's path, the manifest's bytes,
+        the deferred digests); (None, 0, []) when it is not in the view."""
+        index = self.index
+        entry = index.entries.get(entry_id)
+        if entry is None:
+            return None, 0, []
+        sizes = {p.digest: index.object_size.get(p.digest, 0) for p in entry.unique_pages}
+        freed = index.remove(entry_id)
+        for digest in freed:
+            index.deferred[digest] = sizes[digest]
+        return entry.path, allocated(entry.manifest_bytes, index.alloc_unit), freed
+
+    def deferred_digests(self, only: set[str] | None = None) -> list[str]:
+        """The deferred objects (with ``only``: those of them in it)."""
+        return [d for d in self.index.deferred if only is None or d in only]
+
+    def take_deferred(self, digest: str, protected: set[str]) -> bool:
+        """Stop deferring ``digest``; True when it is still garbage (no entry references it
+        again and no live publication declared it), so the caller deletes it."""
+        self.index.deferred.pop(digest, None)
+        return digest not in protected and digest not in self.index.refcount
+

@@ -1,0 +1,264 @@
+"""The collector: deletes what the store no longer needs, in the order that keeps it
+crash-safe: a manifest is unlinked, its directory fsynced, and only then are the objects
+that it alone referenced deleted (a crash never brings back a manifest whose objects are
+gone). Objects no manifest or live publication references (crash leftovers) are swept
+shard by shard.
+
+It owns its state: whether it is draining toward the low watermark, the manifest
+directories with unlinks not yet fsynced, what its units of work recently cost and where
+the next orphan sweep starts. It shares the catalog with ``PageStore`` and receives the
+in-process ``lock`` that guards both (an ``RLock``); it takes ``lock`` itself around every
+change to the catalog or to its own state.
+
+Two locks, always taken in this order: the cross-process exclusive gc lock
+(``locks.exclusive_lock``), then ``lock``. Methods marked [gc lock] must be called with the
+exclusive gc lock held (``exclusive`` takes it); the passes in ``maintenance`` and
+``discard`` here do.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Sequence
+
+from .catalog import Catalog
+from .index import IndexedEntry
+from .layout import StoreLayout, UnsafePathError, is_identity_digest, parallel_map, sync_all
+from .locks import exclusive_lock
+from .objects import ObjectStore
+from .pacing import PassClock, UnitCosts
+from .pins import live_pins
+from .results import CapacitySnapshot
+from .staging import read_live_intents
+
+_SHARDS = [f"{i:02x}" for i in range(256)]
+_UNLINK_BATCH = 16  # files a maintenance unit unlinks in parallel (the maintenance pool size)
+
+
+class ShardCursor:
+    """Round-robin cursor over the 256 object shards: where a store's next sweep starts."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def take(self, n: int) -> list[str]:
+        shards = [_SHARDS[(self.next + i) % 256] for i in range(n)]
+        self.next = (self.next + n) % 256
+        return shards
+
+
+class Collector:
+    def __init__(self, layout: StoreLayout, catalog: Catalog, objects: ObjectStore,
+                 lock: threading.RLock) -> None:
+        self.layout = layout
+        self.catalog = catalog
+        self.objects = objects
+        self.lock = lock
+        self.draining = False  # above max once; evicting until at or under the low watermark
+        self.unsynced_dirs: set[str] = set()  # manifest dirs with unlinks not yet fsynced
+        self.unit_costs = UnitCosts()  # what a pass's units of work recently cost
+        self.shard_cursor = ShardCursor()  # where the next orphan sweep starts
+
+    def exclusive(self, timeout_s: float):
+        """The exclusive gc lock, within ``timeout_s`` (``LockTimeout`` after that)."""
+        return exclusive_lock(self.layout, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ one pass's ends
+
+    def refresh_view(self) -> set[str]:
+        """[gc lock] Digests of live publications, then a full re-list of the manifests (in
+        that order, so an entry published meanwhile is seen by one of them)."""
+        protected, _ = read_live_intents(self.layout)
+        with self.lock:
+            self.catalog.refresh(force=True)
+        return protected
+
+    def begin_pass(self, now: float, lease_seconds: float,
+                   max_bytes: int) -> tuple[set[str], set[str], int, list[IndexedEntry]]:
+        """[gc lock] Live intents, re-listed manifests and recency, live pins (expired pin
+        files removed); starts draining when above ``max_bytes``. Returns (protected digests,
+        pinned entries, used bytes, entries least recently used first)."""
+        protected = self.refresh_view()
+        with self.lock:
+            self.catalog.refresh_recency()
+            pinned = live_pins(self.layout, lease_seconds, now, remove_expired=True)
+            used = self.catalog.used_bytes
+            if used > max_bytes:
+                self.draining = True  # evict down to the low watermark, over several passes
+            by_age = sorted(self.catalog.entries(), key=lambda e: e.last_access)
+        return protected, pinned, used, by_age
+
+    def end_pass(self, max_bytes: int, low_watermark_bytes: int) -> tuple[CapacitySnapshot, int]:
+        """Stop draining once at or under the low watermark. Returns the capacity now and
+        how many objects of dropped entries are still to delete."""
+        with self.lock:
+            used = self.catalog.used_bytes
+            self.draining = self.draining and used > low_watermark_bytes
+            snapshot = CapacitySnapshot(self.catalog.entry_count, used, max_bytes,
+                                        low_watermark_bytes, self.catalog.bad_count)
+            return snapshot, self.catalog.deferred_count
+
+    def any_expired(self, now: float, ttl_seconds: float) -> bool:
+        """Whether an entry was last used more than ``ttl_seconds`` before ``now``."""
+        with self.lock:
+            return any(now - e.last_access > ttl_seconds for e in self.catalog.entries())
+
+    # ------------------------------------------------------------------ eviction
+
+    def discard(self, entry_ids: Sequence[str], lease_seconds: float) -> tuple[str, ...]:
+        """Evict these entries now, except pinned ones; returns those evicted. Takes the gc
+        lock without waiting: nothing when another holds it or the disk fails."""
+        try:
+            with self.exclusive(timeout_s=0.0):
+                protected = self.refresh_view()
+                pinned = live_pins(self.layout, lease_seconds)
+                with self.lock:
+                    done = tuple(e for e in entry_ids
+                                 if e not in pinned and self.catalog.entry(e) is not None)
+                if done:
+                    self.evict(done, protected)
+                return done
+        except (OSError, UnsafePathError):  # held by another (LockTimeout), or a bad disk
+            return ()
+
+    def evict(self, entry_ids: Sequence[str], protected: set[str]) -> int:
+        """[gc lock] Evict entries completely: manifests, fsync, then the objects only they
+        referenced. Returns bytes reclaimed. ``protected`` comes from ``refresh_view``.
+        Deletes only these entries' objects; older deferred work is the next pass's."""
+        reclaimed, freed = 0, set()
+        for entry_id in entry_ids:
+            path, nbytes, digests = self.forget(entry_id)
+            if path is not None:
+                reclaimed += nbytes
+                freed.update(digests)
+                self._unlink_quietly(path)
+        self.sync_dropped()
+        deleted, _ = self.delete_deferred(protected, only=freed)
+        return reclaimed + deleted
+
+    def drop_manifests(self, entry_ids: Sequence[str], clock: PassClock | None = None) -> int:
+        """[gc lock] Unlink manifests (not yet fsynced; in parallel) and defer the objects
+        they alone referenced. Returns the manifests' bytes. With ``clock`` the unlinks are
+        timed as one unit."""
+        reclaimed, paths = 0, []
+        for entry_id in entry_ids:
+            path, nbytes, _ = self.forget(entry_id)
+            if path is not None:
+                paths.append(path)
+                reclaimed += nbytes
+        self.unlink(paths, clock)
+        return reclaimed
+
+    def forget(self, entry_id: str) -> tuple[str | None, int, list[str]]:
+        """[gc lock] Drop an entry from the catalog and mark its manifest's directory
+        unsynced; the caller unlinks the returned path. Returns (path, manifest bytes,
+        deferred digests)."""
+        with self.lock:
+            path, nbytes, freed = self.catalog.forget(entry_id)
+            if path is not None:
+                self.unsynced_dirs.add(os.path.dirname(path))
+            return path, nbytes, freed
+
+    def unlink(self, paths: list[str], clock: PassClock | None = None) -> None:
+        """Unlink files in parallel. An unlink that frees data blocks can wait on the device
+        (ext4 with online discard issues the discard inside the unlink and waits for it,
+        queued behind pending writes); parallel unlinks share that wait."""
+        if not paths:
+            return
+        work = lambda: parallel_map(self._unlink_quietly, paths, "maintenance")  # noqa: E731
+        clock.run("unlink_batch", work) if clock is not None else work()
+
+    def _unlink_quietly(self, path: str) -> None:
+        try:
+            self.layout.unlink(path)
+        except (OSError, UnsafePathError):
+            pass  # a directory, or a link on the way: never followed; verify reports it
+
+    def _fsync_dir_if_safe(self, path: str) -> None:
+        """fsync a store directory; one that is gone or not a real directory any more
+        holds nothing to make durable."""
+        try:
+            self.layout.fsync_dir(path)
+        except (FileNotFoundError, UnsafePathError):
+            pass
+
+    def sync_dropped(self, clock: PassClock | None = None) -> float:
+        """[gc lock] fsync the directories of dropped manifests, so no crash can bring one
+        back after its objects are deleted. Returns the seconds it took."""
+        with self.lock:
+            dirs = sorted(self.unsynced_dirs)
+        if not dirs:
+            return 0.0
+        t0 = time.monotonic()
+        work = lambda: sync_all(self._fsync_dir_if_safe, dirs, "maintenance")  # noqa: E731
+        clock.run("fsync", work) if clock is not None else work()
+        with self.lock:
+            self.unsynced_dirs.difference_update(dirs)
+        return time.monotonic() - t0
+
+    def delete_deferred(self, protected: set[str], clock: PassClock | None = None,
+                        only: set[str] | None = None) -> tuple[int, bool]:
+        """[gc lock] Delete deferred objects that are still garbage, in parallel batches;
+        with ``clock`` only while the next batch is expected to fit. ``only`` limits it to
+        those digests. Returns (bytes reclaimed, whether none of them are left). Does
+        nothing while a dropped manifest's directory is not yet fsynced."""
+        with self.lock:
+            pending = self.catalog.deferred_digests(only)
+        if self.unsynced_dirs:
+            return 0, not pending
+        reclaimed = 0
+        while pending:
+            if clock is not None and not clock.fits("unlink_batch"):
+                return reclaimed, False
+            with self.lock:  # one referenced again (a publication reused it) is not garbage
+                batch = [d for d in pending[:_UNLINK_BATCH] if self.catalog.take_deferred(d, protected)]
+            pending = pending[_UNLINK_BATCH:]
+            work = lambda: parallel_map(self.objects.remove, batch, "maintenance")  # noqa: E731
+            sizes = clock.run("unlink_batch", work) if clock is not None else work()
+            reclaimed += sum(sizes)
+        return reclaimed, True
+
+    # ------------------------------------------------------------------ orphans
+
+    def sweep(self, protected: set[str], clock: PassClock,
+              n_shards: int) -> tuple[int, int, int, float]:
+        """[gc lock] Delete unreferenced objects in up to ``n_shards`` shards while time
+        allows. Returns (objects deleted, bytes freed, shards swept, seconds spent in fsync)."""
+        count = freed = swept = 0
+        if self.unsynced_dirs or not clock.fits("fsync"):
+            return 0, 0, 0, 0.0
+        # Another process's manifest unlinks must be durable before their objects go.
+        dirs = [self.layout.identity_dir(d) for d in self.layout.listdir(self.layout.manifests_dir)
+                if is_identity_digest(d)]
+        t0 = time.monotonic()
+        clock.run("fsync", lambda: sync_all(self._fsync_dir_if_safe, dirs, "maintenance"))
+        fsync_s = time.monotonic() - t0
+        for _ in range(n_shards):
+            if not clock.fits("shard"):
+                break
+            shard = self.shard_cursor.take(1)[0]
+            swept += 1
+            garbage = clock.run("shard", lambda: self._sweep_shard(shard, protected))
+            count += len(garbage)
+            freed += sum(garbage)
+        return count, freed, swept, fsync_s
+
+    def _sweep_shard(self, shard: str, protected: set[str]) -> list[int]:
+        """Unlink (in parallel) the unreferenced objects of one shard; returns their sizes.
+        Reads the catalog without ``lock``: no publication claims an object while the gc
+        lock is held, and what live ones claimed before is in ``protected``."""
+        garbage = [(digest, size) for digest, size in self.objects.iter_shard(shard)
+                   if self.catalog.is_garbage(digest, protected)]
+        done = parallel_map(lambda item: self._unlink_object(item[0]), garbage, "maintenance")
+        return [size for (_, size), ok in zip(garbage, done) if ok]
+
+    def _unlink_object(self, digest: str) -> bool:
+        try:
+            return self.layout.unlink(self.layout.object_path(digest))
+        except (OSError, UnsafePathError):
+            return False  # a shard swapped for a link meanwhile: never followed
+
+
+__all__ = ["Collector", "ShardCursor"]
