@@ -233,9 +233,10 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         finally:
             self._step_s += time.perf_counter() - started
 
-    def _end_step(self, samples: Any, name: str) -> None:
-        samples.add(name, self._step_s)
-        self._step_s = 0.0
+    def _take_step_s(self) -> float:
+        """This engine step's time in our hooks so far; the next step starts at 0."""
+        out, self._step_s = self._step_s, 0.0
+        return out
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
@@ -252,7 +253,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         with self._in_step():
             loads, captures = self._sched.build_meta(scheduler_output)
         # the last scheduler hook of schedule(): a step is from one call to the next
-        self._end_step(self._sched.samples, "scheduler_step_seconds")
+        self._sched.samples.add("scheduler_step_seconds", self._take_step_s())
         return SparkcacheConnectorMetadata(loads, captures)
 
     def on_new_request(self, request: Request) -> None:
@@ -371,7 +372,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         settled = self._worker.take_settled()
         loaded, failed = self._worker.take_sync_outcomes()
-        self._end_step(self._worker.samples, "worker_step_seconds")  # a step's last worker hook
+        self._worker.samples.add("worker_step_seconds", self._take_step_s())  # a step's last worker hook
         return SparkcacheWorkerMetadata(settled, loaded, failed) if settled or loaded or failed else None
 
     @classmethod
