@@ -54,7 +54,6 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from sparkcache.metrics import StoreMetrics
     from sparkcache.settings import Settings
     from sparkcache.store import Identity, PageStore, PublishResult
 
@@ -81,8 +80,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 class WorkerSide:
     def __init__(self, settings: Settings, identity: Identity, store: PageStore | None,
-                 kv_cache_config: KVCacheConfig, layout: KVLayout,
-                 metrics: StoreMetrics | None = None) -> None:
+                 kv_cache_config: KVCacheConfig, layout: KVLayout) -> None:
         self.settings = settings
         self.identity = identity
         self.identity_digest = identity.digest()  # compared with every load plan's
@@ -115,7 +113,7 @@ class WorkerSide:
                         "VLLM_CPU_OMP_THREADS_BIND) %s; publication and "
                         "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
-                                      self._publish, metrics)
+                                      self._publish)
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
     def take_observations(self) -> dict[str, list[float]]:

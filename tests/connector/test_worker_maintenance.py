@@ -48,7 +48,7 @@ def _worker(root, mode: str, num_blocks: int = NUM_BLOCKS, **settings_extra) -> 
         "min_span_tokens": BLOCK, "capture_slots": 2, "capture_slot_bytes": "2MiB",
         "maintenance_interval_seconds": 0.05, **settings_extra})
     identity = Identity("maint-test", "fp32-2x2x32", BLOCK, 0, "untransformed")
-    store = _open_store(settings, metrics=None)  # the connector's own choice per access mode
+    store = _open_store(settings)  # the connector's own choice per access mode
     config = _kv_cache_config(num_blocks)
     worker = WorkerSide(settings, identity, store, config, describe_kv_layout(config))
     torch.manual_seed(0)
