@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 
-from sparkcache.metrics import StoreMetrics
 from sparkcache.settings import parse_bytes
 from sparkcache.store import Identity, MaintenanceThread, PageStore, PassBudget
 
@@ -79,9 +78,11 @@ def _nice_this_thread(nice: int) -> None:
 
 def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue") -> None:
     store_root = os.path.join(args.out, "store")
-    metrics = StoreMetrics()
     store = PageStore(store_root, max_bytes=args.max_bytes, low_watermark_bytes=args.low_bytes,
-                      page_blocks=args.page_blocks, metrics=metrics)
+                      page_blocks=args.page_blocks)
+    # the publication backlog, as the connector's capture slots report it: queued -> (when, bytes)
+    pending: dict[int, tuple[float, int]] = {}
+    pending_lock = threading.Lock()
     budget = PassBudget(args.pass_entries, args.pass_bytes, args.pass_ms)
     reports: list = []
     samples: list = []
@@ -107,9 +108,12 @@ def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue"
             keys, stored = conv.next_turn(args.grow_blocks, args.reasoning_blocks)
             item = (keys, stored, time.monotonic())
             try:
+                with pending_lock:
+                    pending[id(item)] = (time.monotonic(), len(keys) * args.block_bytes)
                 slots.put_nowait(item)
-                metrics.publication_queued(id(item), len(keys) * args.block_bytes)
             except queue.Full:
+                with pending_lock:
+                    pending.pop(id(item), None)
                 dropped[0] += 1
             time.sleep(args.turn_interval)
 
@@ -130,7 +134,8 @@ def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue"
             if result.reason == "base_absent":  # the previous turn was evicted: capture all
                 pages = pages_for(keys, bpp, args.block_bytes)
                 result = store.publish(IDENT, keys, pages)
-            metrics.publication_done(id(item))
+            with pending_lock:
+                pending.pop(id(item), None)
             pubs.append((time.time() - t_origin, result.ok, result.reason, result.bytes_written,
                          result.duration_s, len(keys) * args.block_bytes))
             if not result.ok:
@@ -138,16 +143,17 @@ def rank_main(args: argparse.Namespace, control: "mp.Queue", results: "mp.Queue"
 
     def sampler() -> None:
         while not stop.is_set():
-            metrics.refresh_backlog()
             cap = store.capacity()
+            with pending_lock:
+                backlog = list(pending.values())
+            now = time.monotonic()
             samples.append({
                 "t": round(time.time() - t_origin, 3), "active": active.is_set(),
                 "used_bytes": cap.used_bytes, "entries": cap.entries,
-                "pending_slots": metrics.pending_slots._value.get(),
-                "pending_bytes": metrics.pending_bytes._value.get(),
-                "oldest_pending_age_s": round(metrics.oldest_pending_age._value.get(), 3),
-                "maintenance_active": metrics.maintenance_active._value.get(),
-                "remaining_entries": metrics.maintenance_remaining._value.get(),
+                "pending_slots": len(backlog),
+                "pending_bytes": sum(n for _, n in backlog),
+                "oldest_pending_age_s": round(now - min(t for t, _ in backlog), 3) if backlog else 0.0,
+                "remaining_entries": reports[-1].remaining_entries if reports else 0,
             })
             time.sleep(0.25)
 

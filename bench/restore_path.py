@@ -58,7 +58,7 @@ def _worker(root: str, num_blocks: int):
     settings = load_settings(env={}, extra_config={"root": root, "access_mode": "read-write",
                                                     "min_span_tokens": BLOCK, "capture_slot_bytes": "4GiB"})
     identity = Identity("restore-path-bench", "bf16-8x4x64", BLOCK, 0, "untransformed")
-    worker = WorkerSide(settings, identity, _open_store(settings, metrics=None), config,
+    worker = WorkerSide(settings, identity, _open_store(settings), config,
                         describe_kv_layout(config))
     shape = (num_blocks, 2, BLOCK, BENCH.num_kv_heads, BENCH.head_dim)  # vLLM CPU: blocks at dim 0
     torch.manual_seed(0)

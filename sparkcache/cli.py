@@ -60,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                             "(e.g. '{\"max_bytes\": \"40GiB\"}'), or @FILE to read it from a file")
 
     p = sub.add_parser("status", help="capacity line and the store's gauges (Prometheus text)",
-                       description="Print the one-line capacity report, then the gauges in "
-                                   "Prometheus text format.")
+                       description="Print the one-line capacity report, then the gauges an "
+                                   "opened store tells (capacity, entries, the filesystem's free "
+                                   "bytes and floor) in Prometheus text format: the names vLLM's "
+                                   "/metrics exports, with a rank label per --root in order.")
     common(p, many_roots=True)
     p = sub.add_parser("verify", help="full integrity sweep; exit 1 on any bad file",
                        description="Decode every manifest and re-hash every referenced object. "
@@ -130,26 +132,24 @@ def _settings(args: argparse.Namespace, root: str | None) -> Settings:
     return settings
 
 
-def _open(settings: Settings, *, writer: bool, metrics: Any = None) -> Any:
+def _open(settings: Settings, *, writer: bool) -> Any:
     """The store; only a ``writer`` (gc) may write under the root."""
     from .store import PageStore
 
-    return PageStore.from_settings(settings, metrics=metrics, read_only=not writer)
+    return PageStore.from_settings(settings, read_only=not writer)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     every_settings = [_settings(args, root) for root in args.root or [None]]
-    from .metrics import StoreMetrics, render_capacity_line
+    from .metrics import render_capacity_line, render_store_gauges, store_gauges
 
-    snapshots, texts = [], []
-    for rank, settings in enumerate(every_settings):
-        metrics = StoreMetrics(rank=str(rank))
-        store = _open(settings, writer=False, metrics=metrics)
+    snapshots, gauges = [], []
+    for settings in every_settings:  # one --root per rank, in rank order
+        store = _open(settings, writer=False)
         snapshots.append(store.capacity())
-        texts.append(metrics.render())
+        gauges.append(store_gauges(store))
     print(render_capacity_line(snapshots))
-    for text in texts:
-        print(text, end="")
+    print(render_store_gauges(gauges), end="")
     return 0
 
 

@@ -1,135 +1,308 @@
-"""Prometheus metrics (``vllm:sparkcache_*``) and the one-line capacity report.
+"""Every ``vllm:sparkcache_*`` metric, declared once, and what renders them without vLLM.
 
-``StoreMetrics(registry=None)`` registers into a private ``CollectorRegistry`` (tests and
-several stores in one process never collide); pass ``prometheus_client.REGISTRY`` to
-expose them next to vLLM's own metrics. The store calls the ``on_*`` hooks.
+The connector's halves emit numbers by *data key* (``restores_ok``, ``used_bytes``,
+``restore_seconds``, ...) into ``SparkcacheStats`` (``sparkcache/connector/stats.py``), which
+vLLM ships to its frontend; there ``SparkcachePromMetrics`` turns them into the metrics
+declared here, on vLLM's own registry and ``/metrics``. A data key not declared here is
+refused where it is emitted (``require_counter`` / ``require_gauge`` / ``require_histogram``).
+The CLI (``sparkcache status``) renders the gauges it can read from an opened store from the
+same declarations (``render_store_gauges``), with the same names and a ``rank`` label.
+
+No vLLM, no torch: the CLI imports this module.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .store.reasons import LOOKUP_MISSES, PUBLISH_FAILURES, Reason
+from .store.reasons import LOOKUP_MISSES, PUBLISH_FAILURES
 
-P = "vllm:sparkcache_"
+PREFIX = "vllm:sparkcache_"
+
+# Why a request is neither offered nor captured (``skipped_requests{reason}``); the scheduler
+# half emits ``skipped_<reason>``.
+SKIP_REASONS = ("multimodal", "prompt_embeds", "lora_unreadable", "lora_changed",
+                "unencodable_input", "after_reset")
 
 
-class StoreMetrics:
-    def __init__(self, registry: Any = None, *, rank: str = "0") -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge
+@dataclass(frozen=True)
+class CounterMetric:
+    """``PREFIX + name`` (``_total`` on export); each data key adds to the child whose
+    ``label`` has that key's value (no label: one child)."""
+    name: str
+    help: str
+    label: str | None
+    keys: tuple[tuple[str, str], ...]  # (data key, label value); "" when there is no label
 
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r, labels = self.registry, ["rank"]
-        self.rank = rank
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return (self.label,) if self.label else ()
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(P + name, doc, labels, registry=r).labels(rank)
+    @property
+    def data_keys(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.keys)
 
-        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Any:
-            c = Counter(P + name, doc, labels + list(extra), registry=r)
-            return c if extra else c.labels(rank)
 
-        self.pending_slots = gauge("publication_pending_slots", "Publications waiting or running.")
-        self.pending_bytes = gauge("publication_pending_bytes", "Bytes of publications waiting or running.")
-        self.oldest_pending_age = gauge("publication_oldest_pending_age_seconds",
-                                        "Age of the oldest waiting publication.")
-        self.maintenance_active = gauge("maintenance_active", "1 while a maintenance pass runs.")
-        self.maintenance_remaining = gauge("maintenance_remaining_entries",
-                                           "Entries the last pass left to evict (budget stop).")
-        self.last_pass_duration = gauge("maintenance_last_pass_duration_seconds",
-                                        "Wall time of the last maintenance pass.")
-        self.last_pass_entries = gauge("maintenance_last_pass_entries", "Entries evicted by the last pass.")
-        self.last_pass_bytes = gauge("maintenance_last_pass_bytes", "Bytes reclaimed by the last pass.")
-        self.evictions = counter("evictions", "Entries evicted (LRU or TTL).")
-        self.bytes_reclaimed = counter("bytes_reclaimed", "Bytes reclaimed by maintenance.")
-        self.used_bytes = gauge("capacity_used_bytes", "Allocated bytes (shared objects once).")
-        self.limit_bytes = gauge("capacity_limit_bytes", "max_bytes.")
-        self.entries = gauge("entries", "Published entries.")
-        self._publish_failures = counter("publish_failures", "Failed publications.", ["reason"])
-        self._lookup_misses = counter("lookup_misses", "Lookups or reads that missed.", ["reason"])
-        self.passes_stopped = counter("maintenance_passes_stopped",
-                                      "Maintenance passes that gave up: lock (the gc lock stayed "
-                                      "held past the wait bound) or error (the filesystem "
-                                      "failed).", ["reason"])
-        for reason in ("lock", "error"):
-            self.passes_stopped.labels(rank, reason)
-        self.publications = counter("publications", "Successful publications.")
-        self.bytes_written = counter("bytes_written", "Page bytes written by publications.")
-        for reason in PUBLISH_FAILURES:
-            self._publish_failures.labels(rank, reason)  # exported at 0 from the start
-        for reason in LOOKUP_MISSES:
-            self._lookup_misses.labels(rank, reason)
-        self._pending: dict[Any, tuple[float, int]] = {}
-        self.last_capacity: Any = None
+@dataclass(frozen=True)
+class GaugeMetric:
+    """``per_rank``: a worker's gauge, one value per tensor-parallel rank (``rank`` label);
+    otherwise the scheduler's, one per engine."""
+    name: str
+    help: str
+    key: str
+    per_rank: bool = True
 
-    # ------------------------------------------------------------------ hooks (store side)
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return ("rank",) if self.per_rank else ()
 
-    def on_publish(self, result: Any) -> None:
-        if result.ok:
-            self.publications.inc()
-            self.bytes_written.inc(result.bytes_written)
-        else:
-            self._publish_failures.labels(self.rank, result.reason).inc()
+    @property
+    def data_keys(self) -> tuple[str, ...]:
+        return (self.key,)
 
-    def on_lookup(self, result: Any) -> None:
-        if result.reason != Reason.HIT:
-            self._lookup_misses.labels(self.rank, result.reason).inc()
 
-    def on_pass_start(self) -> None:
-        self.maintenance_active.set(1)
+@dataclass(frozen=True)
+class HistogramMetric:
+    """Samples are shipped as lists per stats interval under the histogram's own name."""
+    name: str
+    help: str
+    buckets: tuple[float, ...]
 
-    def on_pass(self, report: Any) -> None:
-        self.maintenance_active.set(0)
-        self.maintenance_remaining.set(report.remaining_entries)
-        self.last_pass_duration.set(report.duration_s)
-        evicted = report.entries_evicted + report.entries_expired
-        self.last_pass_entries.set(evicted)
-        self.last_pass_bytes.set(report.bytes_reclaimed)
-        self.evictions.inc(evicted)
-        self.bytes_reclaimed.inc(report.bytes_reclaimed)
-        if report.stopped_by in ("lock", "error"):
-            self.passes_stopped.labels(self.rank, report.stopped_by).inc()
+    @property
+    def key(self) -> str:
+        return self.name
 
-    def on_capacity(self, snapshot: Any) -> None:
-        self.last_capacity = snapshot
-        self.used_bytes.set(snapshot.used_bytes)
-        self.limit_bytes.set(snapshot.max_bytes)
-        self.entries.set(snapshot.entries)
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return ()
 
-    # ------------------------------------------------------------------ publication backlog
+    @property
+    def data_keys(self) -> tuple[str, ...]:
+        return (self.name,)
 
-    def publication_queued(self, key: Any, nbytes: int) -> None:
-        self._pending[key] = (time.monotonic(), nbytes)
-        self._update_backlog()
 
-    def publication_done(self, key: Any) -> None:
-        self._pending.pop(key, None)
-        self._update_backlog()
+def _counter(name: str, doc: str, label: str | None, keys: Mapping[str, str]) -> CounterMetric:
+    return CounterMetric(name, doc, label, tuple(keys.items()))
 
-    def refresh_backlog(self) -> None:
-        """Re-compute the oldest pending age (call before scraping)."""
-        self._update_backlog()
 
-    def _update_backlog(self) -> None:
-        pending = list(self._pending.values())
-        self.pending_slots.set(len(pending))
-        self.pending_bytes.set(sum(n for _, n in pending))
-        self.oldest_pending_age.set(time.monotonic() - min(t for t, _ in pending) if pending else 0)
+COUNTERS: tuple[CounterMetric, ...] = (
+    _counter("attributed_tokens", "Prompt tokens of finished requests by source.", "source",
+             {"attr_local_hit_tokens": "local_hit", "attr_external_tokens": "external",
+              "attr_recomputed_tokens": "recomputed"}),
+    _counter("attributed_requests", "Finished requests with an attribution record.", "complete",
+             {"attr_requests_complete": "true", "attr_requests_incomplete": "false"}),
+    _counter("restores", "Restores by outcome, once per request however many ranks placed their "
+             "shards (refused: any rank refused, vLLM recomputes on all).", "outcome",
+             {"restores_ok": "ok", "restores_failed": "refused"}),
+    _counter("restored_tokens", "Prompt tokens restored by verified restores, once per request "
+             "(not per rank).", None, {"restored_tokens": ""}),
+    _counter("restored_bytes", "Bytes placed into the KV cache by verified restores, by kind: "
+             "attention pages, or the recurrent (Mamba / linear-attention) state of a hybrid "
+             "model; summed over ranks (each places its own shard).", "kind",
+             {"restored_page_bytes": "page", "restored_state_bytes": "state"}),
+    _counter("state_restores", "Restores of a hybrid model (attention pages plus the recurrent "
+             "state at their depth, placed together or not at all), by outcome.", "outcome",
+             {"state_restores_ok": "ok", "state_restores_failed": "refused"}),
+    _counter("captured_bytes", "Bytes copied out of the KV cache for publication, by kind (page "
+             "or recurrent state), summed over ranks.", "kind",
+             {"captured_page_bytes": "page", "captured_state_bytes": "state"}),
+    _counter("load_failures", "Restores refused (corrupt, absent or unreadable); the request "
+             "recomputes.", None, {"restores_failed": ""}),
+    _counter("skipped_requests", "Requests neither offered a restore nor captured (they "
+             "recompute), by why: an input sparkcache does not restore yet, an adapter it cannot "
+             "tell apart, or a cache reset.", "reason", {"skipped_" + r: r for r in SKIP_REASONS}),
+    _counter("quarantined_objects", "Page objects found corrupt on a restore and removed by a "
+             "writing worker, so the next capture of their prefix writes them again.", None,
+             {"objects_quarantined": ""}),
+    _counter("offered_tokens", "Tokens offered to the scheduler beyond the local hit.", None,
+             {"offered_tokens": ""}),
+    _counter("captures", "Captures by outcome, one per rank's shard.", "outcome",
+             {"captures_queued": "queued", "captures_published": "published",
+              "captures_publish_failed": "publish_failed",
+              "captures_skipped_slots_full": "skipped_slots_full",
+              "captures_skipped_too_large": "skipped_too_large"}),
+    _counter("publish_failures", "Publications refused, by reason (over_capacity, "
+             "low_free_space, no_space, read_only_fs, io_error, lock_timeout, ...), one per "
+             "rank's shard.", "reason", {"publish_failed_" + r: r for r in PUBLISH_FAILURES}),
+    _counter("lookup_misses", "Store lookups and page reads that missed, by reason: not_found "
+             "(nothing stored under the keys), corrupt or absent (an entry or page that fails "
+             "verification or lost a file), or the filesystem's (no_space, read_only_fs, "
+             "io_error, lock_timeout, unsafe_path). One per lookup: the scheduler's of a request "
+             "(looked up again at each step it waits), a worker's page reads of a restore.",
+             "reason", {"lookup_miss_" + r: r for r in LOOKUP_MISSES}),
+    _counter("lone_shards_removed", "Shards of entries that some tensor-parallel ranks hold and "
+             "another does not (its publication refused, or evicted from its own root), removed "
+             "so the next capture publishes every rank's.", None, {"lone_shards_removed": ""}),
+    _counter("evictions", "Entries evicted or expired by maintenance.", None,
+             {"evicted_entries": ""}),
+    _counter("bytes_reclaimed", "Bytes reclaimed by maintenance from evicted entries.", None,
+             {"bytes_reclaimed": ""}),
+    _counter("maintenance_passes", "Maintenance passes run by the workers.", None,
+             {"maintenance_passes": ""}),
+    _counter("maintenance_passes_overrun", "Maintenance passes longer than their time budget "
+             "(SPARKCACHE_MAINTENANCE_MAX_MS) plus 20%, the bound a pass keeps: a slow disk, or "
+             "the worker's cores taken.", None, {"maintenance_overrun": ""}),
+    _counter("maintenance_passes_stopped", "Maintenance passes that gave up: the store's lock "
+             "stayed held past the wait bound (lock) or the filesystem failed (error).", "reason",
+             {"maintenance_stopped_lock": "lock", "maintenance_stopped_error": "error"}),
+)
 
-    # ------------------------------------------------------------------ reading
+# A worker's gauge carries a ``rank`` label: each tensor-parallel rank has its own slots,
+# and with ROOT holding {rank} its own store.
+GAUGES: tuple[GaugeMetric, ...] = (
+    GaugeMetric("publication_pending_slots", "Capture slots waiting for or under publication.",
+                "pending_slots"),
+    GaugeMetric("publication_pending_bytes", "Bytes held by capture slots.", "pending_bytes"),
+    GaugeMetric("publication_oldest_pending_age_seconds", "Age of the oldest pending publication.",
+                "oldest_pending_age"),
+    GaugeMetric("capture_slots_total", "Capture slots per rank.", "slots_total"),
+    GaugeMetric("capacity_used_bytes", "Allocated bytes in the store.", "used_bytes"),
+    GaugeMetric("capacity_limit_bytes", "Store max_bytes.", "max_bytes"),
+    GaugeMetric("filesystem_free_bytes", "Free bytes of the filesystem under the root (whatever "
+                "fills it); publications stop at SPARKCACHE_MIN_FREE_BYTES.", "free_bytes"),
+    GaugeMetric("filesystem_floor_bytes", "SPARKCACHE_MIN_FREE_BYTES: the free space maintenance "
+                "keeps (0: no floor).", "floor_bytes"),
+    GaugeMetric("entries", "Published entries in the store.", "entries"),
+    GaugeMetric("captures_unsettled", "Planned captures whose outcome the workers have not "
+                "reported yet.", "unsettled_captures", per_rank=False),
+    GaugeMetric("maintenance_last_pass_duration_seconds", "Wall time of the last maintenance pass.",
+                "maintenance_last_pass_duration_seconds"),
+    GaugeMetric("maintenance_remaining_entries", "Entries the last pass left over its budget.",
+                "maintenance_remaining_entries"),
+    GaugeMetric("maintenance_healthy", "1 while the writer's maintenance thread runs, 0 after it "
+                "failed.", "maintenance_healthy"),
+    GaugeMetric("pending_block_frees", "Finished requests whose blocks wait for a capture copy or "
+                "a restore.", "pending_block_frees", per_rank=False),
+)
 
-    def publish_failures(self, reason: str) -> float:
-        return self._publish_failures.labels(self.rank, reason)._value.get()
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            120.0)
+_STEP_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_BYTES = tuple(float(1 << b) for b in range(16, 38, 2))  # 64 KiB .. 64 GiB, x4 apart
 
-    def lookup_misses(self, reason: str) -> float:
-        return self._lookup_misses.labels(self.rank, reason)._value.get()
+HISTOGRAMS: tuple[HistogramMetric, ...] = (
+    HistogramMetric("restore_seconds", "Wall time of one rank's restore of its shard (read, "
+                    "verify, place), placed or refused.", _SECONDS),
+    HistogramMetric("restore_bytes", "Bytes one rank placed by a verified restore (pages and "
+                    "state).", _BYTES),
+    HistogramMetric("publication_seconds", "Wall time of one rank's publication of its shard, "
+                    "published or refused.", _SECONDS),
+    HistogramMetric("publication_bytes", "Bytes one published shard wrote (objects it did not "
+                    "reuse).", _BYTES),
+    HistogramMetric("capture_wait_seconds", "From a request's last planned capture to every "
+                    "rank's report that it settled (published, refused or skipped).", _SECONDS),
+    HistogramMetric("maintenance_pass_seconds", "Wall time of one maintenance pass, lock wait "
+                    "included.", _SECONDS),
+    HistogramMetric("scheduler_step_seconds", "Time one engine step spent in the connector's "
+                    "scheduler hooks on vLLM's scheduler thread: lookups of waiting requests, load "
+                    "and capture plans, reports, stats.", _STEP_SECONDS),
+    HistogramMetric("worker_step_seconds", "Time one engine step spent in the connector's worker "
+                    "hooks on the model's thread, restores aside (they are restore_seconds): "
+                    "capture copies into slots, results and stats.", _STEP_SECONDS),
+)
 
-    def render(self) -> str:
-        from prometheus_client import generate_latest
+COUNTER_KEYS = frozenset(k for c in COUNTERS for k in c.data_keys)
+RANK_GAUGE_KEYS = frozenset(g.key for g in GAUGES if g.per_rank)
+ENGINE_GAUGE_KEYS = frozenset(g.key for g in GAUGES if not g.per_rank)
+HISTOGRAM_KEYS = frozenset(h.key for h in HISTOGRAMS)
+_WHERE = "sparkcache/metrics.py"
 
-        self.refresh_backlog()
-        return generate_latest(self.registry).decode()
+
+class UndeclaredMetric(ValueError):
+    """A data key emitted that no declaration in ``sparkcache/metrics.py`` names."""
+
+
+def _refuse(kind: str, key: object, table: str, also: str = "") -> UndeclaredMetric:
+    return UndeclaredMetric(f"sparkcache metrics: {kind} data key {key!r} is not declared{also}; "
+                            f"declare it in the {table} table of {_WHERE} (name, help, labels, "
+                            "data keys) before emitting it")
+
+
+def require_counter(key: str) -> str:
+    if key not in COUNTER_KEYS:
+        raise _refuse("counter", key, "COUNTERS")
+    return key
+
+
+def require_gauge(key: str, *, per_rank: bool) -> str:
+    if key not in (RANK_GAUGE_KEYS if per_rank else ENGINE_GAUGE_KEYS):
+        other = key in (ENGINE_GAUGE_KEYS if per_rank else RANK_GAUGE_KEYS)
+        also = (f" as a {'per-rank' if per_rank else 'per-engine'} gauge (it is declared "
+                f"per_rank={not per_rank})") if other else ""
+        raise _refuse("per-rank gauge" if per_rank else "gauge", key, "GAUGES", also)
+    return key
+
+
+def require_histogram(key: str) -> str:
+    if key not in HISTOGRAM_KEYS:
+        raise _refuse("histogram", key, "HISTOGRAMS")
+    return key
+
+
+def _check_tables() -> None:
+    """Refuse, at import, a table that would export one name twice, give one gauge key two
+    metrics, or a counter labels it does not have."""
+    names = [m.name for m in (*COUNTERS, *GAUGES, *HISTOGRAMS)]
+    if len(names) != len(set(names)):
+        raise ValueError(f"{_WHERE}: a metric name declared twice: {sorted(names)}")
+    keys = [g.key for g in GAUGES]
+    if len(keys) != len(set(keys)):
+        raise ValueError(f"{_WHERE}: a gauge data key declared twice: {sorted(keys)}")
+    for c in COUNTERS:
+        if len(set(c.data_keys)) != len(c.keys) or (c.label is None) != all(v == "" for _, v in c.keys):
+            raise ValueError(f"{_WHERE}: counter {c.name}: a data key twice, or label values "
+                             f"that do not match its label {c.label!r}")
+
+
+_check_tables()
+
+
+def make_metric(metric: CounterMetric | GaugeMetric | HistogramMetric, cls: Callable[..., Any],
+                labelnames: Sequence[str] = ()) -> Any:
+    """The Prometheus metric of a declaration: ``cls`` is a prometheus_client class (or
+    vLLM's stand-in for it, as ``build_prom_metrics`` hands them), ``labelnames`` the
+    exporter's own labels, before the declaration's."""
+    kwargs: dict[str, Any] = {}
+    if isinstance(metric, HistogramMetric):
+        kwargs["buckets"] = list(metric.buckets)
+    return cls(name=PREFIX + metric.name, documentation=metric.help,
+               labelnames=[*labelnames, *metric.labels], **kwargs)
+
+
+# ---------------------------------------------------------------------- the store's own gauges
+
+
+def store_gauges(store: Any) -> dict[str, float]:
+    """The per-rank gauges an opened store tells by itself (capacity, entries, and the
+    filesystem's free bytes and floor when it can be read): what a worker ships with its
+    stats and what ``sparkcache status`` prints."""
+    gauges: dict[str, float] = {}
+    cap = store.capacity()
+    gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries)
+    try:
+        gauges.update(free_bytes=store.free_bytes(), floor_bytes=store.min_free_bytes)
+    except OSError:
+        pass  # a failing filesystem: the publications' own failures say so
+    return gauges
+
+
+def render_store_gauges(per_rank: Iterable[Mapping[str, float]]) -> str:
+    """Prometheus text of the per-rank gauges given by data key (one mapping per rank, in
+    rank order), from the declarations: the names vLLM's ``/metrics`` has, with a ``rank``
+    label (and none of vLLM's engine labels)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    made: dict[str, Any] = {}
+    for rank, gauges in enumerate(per_rank):
+        for key, value in gauges.items():
+            require_gauge(key, per_rank=True)
+            if key not in made:
+                decl = next(g for g in GAUGES if g.key == key)
+                made[key] = make_metric(decl, lambda **kw: Gauge(registry=registry, **kw))
+            made[key].labels(str(rank)).set(value)
+    return generate_latest(registry).decode()
 
 
 def render_capacity_line(snapshots: Sequence[Any]) -> str:

@@ -17,12 +17,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from sparkcache.store import cpus
-
-if TYPE_CHECKING:  # for readers and type checkers
-    from sparkcache.metrics import StoreMetrics
 
 logger = logging.getLogger("sparkcache.capture")
 
@@ -37,12 +34,10 @@ class CaptureSlotStats:
 
 
 class CaptureSlots:
-    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Any], Any],
-                 metrics: StoreMetrics | None = None) -> None:
+    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Any], Any]) -> None:
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self._publish = publish
-        self._metrics = metrics
         self._free = n_slots
         self._lock = threading.Lock()
         self._queue: "queue.Queue[Any]" = queue.Queue()
@@ -68,9 +63,7 @@ class CaptureSlots:
             self._seq += 1
             self._pending[self._seq] = (time.monotonic(), nbytes)
             self.stats.queued += 1
-        if self._metrics is not None:
-            self._metrics.publication_queued(self._seq, nbytes)
-        return self._seq
+            return self._seq
 
     def submit(self, ticket: int, job: Any, tag: Any = None) -> None:
         if tag is not None:
@@ -88,8 +81,6 @@ class CaptureSlots:
                 self._settled.append(self._tags.pop(ticket))
             self._free += 1
             self._idle.notify_all()
-        if self._metrics is not None:
-            self._metrics.publication_done(ticket)
 
     def _run(self) -> None:
         cpus.run_as_publisher()  # background work: off the model's cores, at a lower priority

@@ -23,7 +23,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from sparkcache.metrics import StoreMetrics
 from sparkcache.settings import Settings, SettingsError, load_settings
 from sparkcache.store import PageStore
 
@@ -119,7 +118,7 @@ def _refuse_unsupported_parallel(vllm_config: VllmConfig, settings: Settings) ->
             "with SPARKCACHE_ENABLED=0")
 
 
-def _open_store(settings: Settings, *, metrics: StoreMetrics | None) -> PageStore | None:
+def _open_store(settings: Settings) -> PageStore | None:
     mode = settings.access_mode if settings.enabled else "disabled"
     if mode == "disabled":
         return None  # no file I/O at all
@@ -131,8 +130,8 @@ def _open_store(settings: Settings, *, metrics: StoreMetrics | None) -> PageStor
             return None
         # Writes nothing under the root (no recovery, no access times, no pins): works on a
         # read-only mount, and never removes another writer's leftovers.
-        return PageStore.from_settings(settings, metrics=metrics, read_only=True)
-    return PageStore.from_settings(settings, metrics=metrics)
+        return PageStore.from_settings(settings, read_only=True)
+    return PageStore.from_settings(settings)
 
 
 def _rank_stores(settings: Settings, ranks: int) -> tuple[PageStore, ...] | None:
@@ -140,9 +139,9 @@ def _rank_stores(settings: Settings, ranks: int) -> tuple[PageStore, ...] | None
     object for all when they share a root; None when a rank's cannot be read (restore-only
     and it holds no store yet), since an entry is offered only when every rank's shard is."""
     if not settings.per_rank_root:
-        store = _open_store(settings, metrics=None)
+        store = _open_store(settings)
         return None if store is None else (store,) * ranks
-    stores = tuple(_open_store(settings.for_rank(r), metrics=None) for r in range(ranks))
+    stores = tuple(_open_store(settings.for_rank(r)) for r in range(ranks))
     return None if any(s is None for s in stores) else stores
 
 
@@ -209,10 +208,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings = self.settings.for_rank(rank)
             identity, layout = make_identity(vllm_config, kv_cache_config, rank,
                                              ranks=ranks, declared_weights=declared)
-            self.metrics = StoreMetrics(rank=str(rank))
-            store = _open_store(self.settings, metrics=self.metrics)
-            self._worker = WorkerSide(self.settings, identity, store, kv_cache_config,
-                                      layout, self.metrics)
+            self._worker = WorkerSide(self.settings, identity, _open_store(self.settings),
+                                      kv_cache_config, layout)
         logger.info("sparkcache connector: role=%s mode=%s root=%s", role.name, self.mode,
                     self.settings.root or "-")
 
@@ -233,9 +230,10 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         finally:
             self._step_s += time.perf_counter() - started
 
-    def _end_step(self, samples: Any, name: str) -> None:
-        samples.add(name, self._step_s)
-        self._step_s = 0.0
+    def _take_step_s(self) -> float:
+        """This engine step's time in our hooks so far; the next step starts at 0."""
+        out, self._step_s = self._step_s, 0.0
+        return out
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
@@ -252,7 +250,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         with self._in_step():
             loads, captures = self._sched.build_meta(scheduler_output)
         # the last scheduler hook of schedule(): a step is from one call to the next
-        self._end_step(self._sched.samples, "scheduler_step_seconds")
+        self._sched.samples.add("scheduler_step_seconds", self._take_step_s())
         return SparkcacheConnectorMetadata(loads, captures)
 
     def on_new_request(self, request: Request) -> None:
@@ -371,7 +369,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         settled = self._worker.take_settled()
         loaded, failed = self._worker.take_sync_outcomes()
-        self._end_step(self._worker.samples, "worker_step_seconds")  # a step's last worker hook
+        self._worker.samples.add("worker_step_seconds", self._take_step_s())  # a step's last worker hook
         return SparkcacheWorkerMetadata(settled, loaded, failed) if settled or loaded or failed else None
 
     @classmethod

@@ -61,7 +61,7 @@ from .attribution import AttributionRecord, emit
 from .identity import AdapterFingerprints
 from .keys import BlockKeys, request_extra_keys
 from .kv_layout import KVLayout, LayoutKind
-from .samples import Samples
+from .samples import Samples, add_count
 
 logger = logging.getLogger("sparkcache.connector")
 
@@ -142,8 +142,7 @@ class SchedulerCounters:
     data: dict = field(default_factory=dict)
 
     def add(self, name: str, n: float = 1) -> None:
-        if n:
-            self.data[name] = self.data.get(name, 0) + n
+        add_count(self.data, name, n)
 
 
 class SchedulerSide:
@@ -233,6 +232,7 @@ class SchedulerSide:
         return st.unsupported is None
 
     def _skip(self, st: _ReqState, reason: str) -> None:
+        """``reason``: one of ``sparkcache.metrics.SKIP_REASONS`` (the counter's labels)."""
         st.unsupported = reason
         self.counters.add("skipped_" + reason)
 
@@ -292,6 +292,7 @@ class SchedulerSide:
             for rank, identity in enumerate(self.identities):
                 found = self.stores[rank].lookup(identity, keys[:depth], with_state=with_state)
                 if not found.hit:
+                    self.counters.add("lookup_miss_" + found.reason)
                     return 0, None
                 if found.hit_blocks < depth:
                     depth, settled = found.hit_blocks, False
@@ -616,11 +617,6 @@ class SchedulerSide:
     def take_counters(self) -> dict:
         data, self.counters.data = self.counters.data, {}
         return data
-
-
-# Why a request is neither offered nor captured (``vllm:sparkcache_skipped_requests{reason}``).
-SKIP_REASONS = ("multimodal", "prompt_embeds", "lora_unreadable", "lora_changed",
-                "unencodable_input", "after_reset")
 
 
 def unsupported_input(request: Request) -> str | None:

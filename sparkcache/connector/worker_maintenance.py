@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from sparkcache.store import MaintenanceThread, PassBudget, PassReport
 
-from .samples import Samples
+from .samples import Samples, add_count
 
 if TYPE_CHECKING:  # for readers and type checkers
     from sparkcache.settings import Settings
@@ -46,15 +46,14 @@ class WorkerMaintenance:
     def _on_pass(self, report: PassReport) -> None:
         """Runs on the maintenance thread: fold one pass into the next stats."""
         self.samples.add("maintenance_pass_seconds", report.duration_s)
+        evicted = report.entries_evicted + report.entries_expired
         with self._lock:
-            for key, n in (("evicted_entries", report.entries_evicted + report.entries_expired),
-                           ("bytes_reclaimed", report.bytes_reclaimed),
-                           ("maintenance_passes", 1),
-                           ("maintenance_overrun", report.overran),
-                           (f"maintenance_stopped_{report.stopped_by}",
-                            report.stopped_by in ("lock", "error"))):
-                if n:
-                    self._counters[key] = self._counters.get(key, 0) + n
+            add_count(self._counters, "evicted_entries", evicted)
+            add_count(self._counters, "bytes_reclaimed", report.bytes_reclaimed)
+            add_count(self._counters, "maintenance_passes", 1)
+            add_count(self._counters, "maintenance_overrun", int(report.overran))
+            add_count(self._counters, "maintenance_stopped_lock", int(report.stopped_by == "lock"))
+            add_count(self._counters, "maintenance_stopped_error", int(report.stopped_by == "error"))
             self._gauges.update(maintenance_last_pass_duration_seconds=report.duration_s,
                                 maintenance_remaining_entries=report.remaining_entries)
 

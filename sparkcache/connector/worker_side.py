@@ -27,6 +27,7 @@ A writing worker (read-write, store-only) also runs the store's maintenance
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -35,14 +36,15 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sparkcache.metrics import store_gauges
 from sparkcache.store import cpus
 from sparkcache.store.manifests import pages_needed
 from sparkcache.store import ObjectError
 from sparkcache.store.reasons import Reason
 
-from .capture_slots import CaptureSlots
+from .capture_slots import CaptureSlots, CaptureSlotStats
 from .kv_layout import KVLayout, LayoutKind
-from .samples import Samples
+from .samples import Samples, add_count
 from .scheduler_side import CapturePlan, LoadPlan, StoredPages
 from .worker_maintenance import WorkerMaintenance
 
@@ -52,7 +54,6 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from sparkcache.metrics import StoreMetrics
     from sparkcache.settings import Settings
     from sparkcache.store import Identity, PageStore, PublishResult
 
@@ -79,8 +80,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 class WorkerSide:
     def __init__(self, settings: Settings, identity: Identity, store: PageStore | None,
-                 kv_cache_config: KVCacheConfig, layout: KVLayout,
-                 metrics: StoreMetrics | None = None) -> None:
+                 kv_cache_config: KVCacheConfig, layout: KVLayout) -> None:
         self.settings = settings
         self.identity = identity
         self.identity_digest = identity.digest()  # compared with every load plan's
@@ -104,6 +104,7 @@ class WorkerSide:
         self._settled_reported: list[str] = []  # taken with the last stats, for the worker meta
         self._gauges_at = float("-inf")
         self.slots = None
+        self._slot_stats_taken = CaptureSlotStats()  # the slots' counts at the last take_stats
         self.maintenance: WorkerMaintenance | None = None
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             # before the publisher and maintenance threads start: they move off these CPUs
@@ -112,7 +113,7 @@ class WorkerSide:
                         "VLLM_CPU_OMP_THREADS_BIND) %s; publication and "
                         "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
-                                      self._publish, metrics)
+                                      self._publish)
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
     def take_observations(self) -> dict[str, list[float]]:
@@ -123,9 +124,10 @@ class WorkerSide:
         return out
 
     def _add(self, name: str, n: float = 1) -> None:
-        if n:
-            with self._counters_lock:
-                self.counters[name] = self.counters.get(name, 0) + n
+        """A counter's delta by data key, shipped with the next stats (declared in
+        ``sparkcache/metrics.py``: an undeclared key raises here)."""
+        with self._counters_lock:
+            add_count(self.counters, name, n)
 
     # ------------------------------------------------------------------ setup
 
@@ -203,6 +205,7 @@ class WorkerSide:
             pages = self.store.read_pages(wanted, mapped=True, parallel=self.read_in_parallel)
         except ObjectError as exc:
             logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
+            self._add("lookup_miss_" + exc.reason)
             self._quarantine(exc, stored)
             return None
         state = pages.pop() if self.layout.has_state else None
@@ -304,6 +307,8 @@ class WorkerSide:
             return plan.stored
         end = len(plan.keys)
         found = self.store.lookup(self.identity, plan.keys, with_state=self.layout.has_state)
+        if not found.hit:
+            self._add("lookup_miss_" + found.reason)
         if not found.hit or found.hit_blocks < end:
             logger.warning("sparkcache: restore of %s refused: %s %s", plan.req_id,
                            found.reason, found.detail)
@@ -414,25 +419,17 @@ class WorkerSide:
         for key, n in pass_counters.items():
             counters[key] = counters.get(key, 0) + n
         if self.slots is not None:
-            s = self.slots.stats
-            for key, attr in (("captures_queued", "queued"), ("captures_published", "published"),
-                              ("captures_publish_failed", "publish_failed"),
-                              ("captures_skipped_slots_full", "skipped_slots_full"),
-                              ("captures_skipped_too_large", "skipped_too_large")):
-                value = getattr(s, attr)
-                last = getattr(self, "_last_" + attr, 0)
-                if value - last:
-                    counters[key] = counters.get(key, 0) + value - last
-                setattr(self, "_last_" + attr, value)
+            s = dataclasses.replace(self.slots.stats)  # each count read once
+            last, self._slot_stats_taken = self._slot_stats_taken, s
+            add_count(counters, "captures_queued", s.queued - last.queued)
+            add_count(counters, "captures_published", s.published - last.published)
+            add_count(counters, "captures_publish_failed", s.publish_failed - last.publish_failed)
+            add_count(counters, "captures_skipped_slots_full", s.skipped_slots_full - last.skipped_slots_full)
+            add_count(counters, "captures_skipped_too_large", s.skipped_too_large - last.skipped_too_large)
             gauges.update(pending_slots=self.slots.in_use(), pending_bytes=self.slots.pending_bytes(),
                           oldest_pending_age=self.slots.oldest_age(), slots_total=self.slots.n_slots)
         if self.store is not None and (settled or counters or now - self._gauges_at >= gauge_interval_s):
-            cap = self.store.capacity()
-            gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries)
-            try:
-                gauges.update(free_bytes=self.store.free_bytes(), floor_bytes=self.store.min_free_bytes)
-            except OSError:
-                pass  # a failing filesystem: the publications' own failures say so
+            gauges.update(store_gauges(self.store))
             self._gauges_at = now
         return counters, gauges
 

@@ -110,9 +110,6 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     clock = PassClock(collector.unit_costs, budget.max_ms)
     cpu0 = time.thread_time()
     runq0 = runqueue_wait_s()
-    metrics = store.metrics
-    if metrics is not None:
-        metrics.on_pass_start()
     used_before = collector.catalog.used_bytes
     evicted = expired_n = reclaimed = orphans = orphan_bytes = swept = skipped = remaining = 0
     fsync_s = lock_wait_s = plan_s = 0.0
@@ -167,17 +164,13 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     clock.finish()
     snapshot, deferred = collector.end_pass(store.max_bytes, store.low_watermark_bytes)
     used_after, entries_after = snapshot.used_bytes, snapshot.entries
-    report = PassReport(started_wall, time.monotonic() - clock.start, budget.max_ms,
+    return PassReport(started_wall, time.monotonic() - clock.start, budget.max_ms,
                         evicted - expired_n, expired_n, reclaimed + orphan_bytes, orphans,
                         orphan_bytes, swept, skipped, remaining, deferred, stopped_by, used_before,
                         used_after, store.max_bytes, store.low_watermark_bytes, entries_after,
                         lock_wait_s * 1e3, (time.thread_time() - cpu0) * 1e3, plan_s * 1e3,
                         fsync_s * 1e3, clock.units, clock.longest_unit_s * 1e3,
                         (runqueue_wait_s() - runq0) * 1e3)
-    if metrics is not None:
-        metrics.on_pass(report)
-        metrics.on_capacity(snapshot)
-    return report
 
 
 @dataclass
@@ -399,6 +392,6 @@ class MaintenanceThread:
                 self.reports.append(report)
                 if self.on_report is not None:
                     self.on_report(report)
-        except BaseException as exc:  # surfaced through .error and the metrics, not swallowed
+        except BaseException as exc:  # surfaced through .error (the connector's maintenance_healthy gauge), not swallowed
             self.error = exc
             raise

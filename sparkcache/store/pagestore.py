@@ -41,7 +41,7 @@ from ..settings import format_bytes
 class PageStore:
     def __init__(self, root: str, *, namespace: str = "default", max_bytes: int = 40 << 30,
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
-                 ttl_seconds: float = 0.0, page_blocks: int = 16, metrics: Any = None,
+                 ttl_seconds: float = 0.0, page_blocks: int = 16,
                  read_only: bool = False, min_free_bytes: int = 0) -> None:
         """A writer recovers dead publications on open. ``read_only``: a reader that writes
         nothing under the root (restore-only, the CLI's status and inspect; works on a
@@ -60,7 +60,6 @@ class PageStore:
         self.lease_seconds = lease_seconds
         self.ttl_seconds = ttl_seconds
         self.page_blocks = page_blocks
-        self.metrics = metrics
         self.catalog = Catalog(self.layout, unit)
         self._mutex = threading.RLock()
         self.collector = Collector(self.layout, self.catalog, self.objects, self._mutex)
@@ -70,15 +69,13 @@ class PageStore:
         else:
             with self._mutex:
                 self.catalog.refresh(force=True)
-        self._report_capacity()
 
     @classmethod
-    def from_settings(cls, settings: Any, *, metrics: Any = None,
-                      read_only: bool = False) -> "PageStore":
+    def from_settings(cls, settings: Any, *, read_only: bool = False) -> "PageStore":
         return cls(settings.root, namespace=settings.namespace, max_bytes=settings.max_bytes,
                    low_watermark_bytes=settings.low_watermark_bytes,
                    lease_seconds=settings.lease_seconds, ttl_seconds=settings.ttl_seconds,
-                   page_blocks=settings.page_blocks, metrics=metrics, read_only=read_only,
+                   page_blocks=settings.page_blocks, read_only=read_only,
                    min_free_bytes=settings.min_free_bytes)
 
     # ------------------------------------------------------------------ startup
@@ -174,9 +171,6 @@ class PageStore:
         superseded = self._supersede_shorter(idd, keys)
         result = PublishResult(True, Reason.PUBLISHED, entry_id, "", written, len(refs) - written,
                                bytes_written, superseded, time.monotonic() - started)
-        if self.metrics is not None:
-            self.metrics.on_publish(result)
-        self._report_capacity()
         return result
 
     def _resolve_missing_pages(self, idd: str, keys: list[str], bpp: int,
@@ -213,11 +207,7 @@ class PageStore:
         return self.collector.discard(entry_ids, self.lease_seconds)
 
     def _failed(self, reason: Reason, started: float, entry_id: str, detail: str) -> PublishResult:
-        result = PublishResult(False, reason, entry_id, detail,
-                               duration_s=time.monotonic() - started)
-        if self.metrics is not None:
-            self.metrics.on_publish(result)
-        return result
+        return PublishResult(False, reason, entry_id, detail, duration_s=time.monotonic() - started)
 
     # ------------------------------------------------------------------ lookup / read
 
@@ -268,10 +258,7 @@ class PageStore:
                 return self._miss(Reason.ABSENT, entry.entry_id, "entry was evicted during the lookup")
         if not self.read_only:
             self.catalog.touch(entry, time.time())
-        result = LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
-        if self.metrics is not None:
-            self.metrics.on_lookup(result)
-        return result
+        return LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
 
     def read(self, handle: EntryHandle, n_blocks: int | None = None, *, mapped: bool = False) -> ReadResult:
         """Verified bytes of the pages holding the first ``n_blocks`` blocks (with ``mapped``:
@@ -287,15 +274,9 @@ class PageStore:
 
     def read_pages(self, refs: Sequence[PageRef], *, mapped: bool = False, parallel: bool = True) -> list:
         """Verified page objects in order (bytes, or read-only mappings with ``mapped``), read on
-        parallel threads or, with ``parallel=False``, on this one. A page that fails is counted
-        as a lookup miss under its reason and raised as ``ObjectError``; nothing unverified is
-        returned."""
-        try:
-            return self.objects.read_many_verified(list(refs), mapped=mapped, parallel=parallel)
-        except ObjectError as exc:
-            if self.metrics is not None:
-                self.metrics.on_lookup(LookupResult(0, None, exc.reason, str(exc)))
-            raise
+        parallel threads or, with ``parallel=False``, on this one. A page that fails is raised
+        as ``ObjectError`` with its reason; nothing unverified is returned."""
+        return self.objects.read_many_verified(list(refs), mapped=mapped, parallel=parallel)
 
     def discard_corrupt(self, digest: str, size: int) -> bool:
         """Remove a page object found corrupt, so that the next publication of its prefix writes
@@ -313,10 +294,7 @@ class PageStore:
             self.release(result.lease_id)
 
     def _miss(self, reason: Reason, entry_id: str | None, detail: str) -> LookupResult:
-        result = LookupResult(0, entry_id, reason, detail)
-        if self.metrics is not None:
-            self.metrics.on_lookup(result)
-        return result
+        return LookupResult(0, entry_id, reason, detail)
 
     # ------------------------------------------------------------------ pins
 
@@ -400,10 +378,6 @@ class PageStore:
         """Full integrity sweep of the store at ``root``: every manifest decoded, every
         object re-hashed (read-only; nothing is recovered or loaded first)."""
         return verify_store(StoreLayout.create(root, namespace, make=False))
-
-    def _report_capacity(self) -> None:
-        if self.metrics is not None:
-            self.metrics.on_capacity(self.capacity())
 
 
 def _handle_of(entry: IndexedEntry) -> EntryHandle:

@@ -1,8 +1,9 @@
 """Why a store lookup, read or publication ended as it did: one enum for every part of the store.
 
-A reason's value is its metric label (``lookup_misses{reason=...}``,
-``publish_failures{reason=...}``, the connector's ``publish_failed_<reason>``) and what JSON
-output prints; being a ``str``, it compares equal to that value.
+A reason's value is its metric label (``vllm:sparkcache_lookup_misses{reason=...}`` and
+``..._publish_failures{reason=...}``, shipped by the connector as ``lookup_miss_<reason>`` and
+``publish_failed_<reason>``; ``sparkcache/metrics.py``) and what JSON output prints; being a
+``str``, it compares equal to that value.
 """
 
 from __future__ import annotations

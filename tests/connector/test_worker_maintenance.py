@@ -21,8 +21,8 @@ from sparkcache.connector.connector import _open_store
 from sparkcache.connector.keys import BlockKeys
 from sparkcache.connector.kv_layout import describe_kv_layout
 from sparkcache.connector.scheduler_side import CapturePlan
-from sparkcache.connector.stats import COUNTERS, GAUGES
 from sparkcache.connector.worker_side import WorkerSide
+from sparkcache.metrics import COUNTER_KEYS, RANK_GAUGE_KEYS
 from sparkcache.settings import load_settings
 from sparkcache.store import Identity, PageStore
 from sparkcache.store import cpus, layout
@@ -48,7 +48,7 @@ def _worker(root, mode: str, num_blocks: int = NUM_BLOCKS, **settings_extra) -> 
         "min_span_tokens": BLOCK, "capture_slots": 2, "capture_slot_bytes": "2MiB",
         "maintenance_interval_seconds": 0.05, **settings_extra})
     identity = Identity("maint-test", "fp32-2x2x32", BLOCK, 0, "untransformed")
-    store = _open_store(settings, metrics=None)  # the connector's own choice per access mode
+    store = _open_store(settings)  # the connector's own choice per access mode
     config = _kv_cache_config(num_blocks)
     worker = WorkerSide(settings, identity, store, config, describe_kv_layout(config))
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_read_write_worker_evicts_to_the_watermark_and_reports_it(tmp_path):
     assert gauges["maintenance_healthy"] == 1.0
     assert gauges["maintenance_last_pass_duration_seconds"] > 0
     # every number shipped has a vllm:sparkcache_* metric behind it
-    shipped = {key for _, _, keys in COUNTERS.values() for key in keys} | {key for _, key, _ in GAUGES.values()}
+    shipped = COUNTER_KEYS | RANK_GAUGE_KEYS
     assert {"evicted_entries", "bytes_reclaimed", "maintenance_passes"} <= shipped
     assert {"maintenance_healthy", "maintenance_remaining_entries",
             "maintenance_last_pass_duration_seconds"} <= shipped
@@ -151,7 +151,7 @@ def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path):
         assert counters.get("captures_publish_failed") == 1, counters
         assert counters.get("maintenance_stopped_lock", 0) >= 1, counters
         assert gauges["maintenance_healthy"] == 1.0  # gave up, did not die
-        shipped = {key for _, _, keys in COUNTERS.values() for key in keys}
+        shipped = COUNTER_KEYS
         assert {"maintenance_stopped_lock", "maintenance_stopped_error"} <= shipped
     finally:
         holder.kill()
@@ -175,7 +175,7 @@ def test_a_refused_publication_is_shipped_with_its_reason_and_free_space_with_th
         worker.close()
     assert counters["publish_failed_low_free_space"] == 1 and worker.store.capacity().entries == 0
     assert 0 < gauges["free_bytes"] < 1 << 50
-    assert "publish_failed_low_free_space" in {key for _, _, keys in COUNTERS.values() for key in keys}
+    assert "publish_failed_low_free_space" in COUNTER_KEYS
 
 
 def _cpus_of(thread) -> set[int]:

@@ -4,7 +4,6 @@ max, and budgeted maintenance passes that report the work they left."""
 import os
 import time
 
-from sparkcache.metrics import StoreMetrics
 from sparkcache.store import MaintenanceThread, PassBudget, run_pass, verify_store
 from store_helpers import IDENT, conv_keys, conv_pages, open_store
 
@@ -90,13 +89,11 @@ def test_ttl_expiry(tmp_path):
     assert [c for c in range(3) if store.lookup(IDENT, conv_keys(c, 16)).hit] == [0, 2]
 
 
-def test_publication_refused_above_max_with_counter(tmp_path):
-    metrics = StoreMetrics()
-    store = _small_store(tmp_path, metrics=metrics)
+def test_publication_refused_above_max(tmp_path):
+    store = _small_store(tmp_path)
     _fill(store, range(11))  # the 11th publication crossed max: allowed (in flight)
     result = store.publish(IDENT, conv_keys(99, 16), conv_pages(99, 16, 16))
     assert not result.ok and result.reason == "over_capacity" and "SPARKCACHE_MAX_BYTES" in result.detail
-    assert metrics.publish_failures("over_capacity") == 1
     run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
     assert store.publish(IDENT, conv_keys(99, 16), conv_pages(99, 16, 16)).ok
 
@@ -157,8 +154,7 @@ def test_orphans_are_collected_but_not_live_publications(tmp_path):
 
 
 def test_maintenance_thread_keeps_idle_gap_and_store_under_max(tmp_path):
-    metrics = StoreMetrics()
-    store = _small_store(tmp_path, metrics=metrics)
+    store = _small_store(tmp_path)
     interval = 0.2
     thread = MaintenanceThread(store, PassBudget(max_entries=2, max_bytes=1 << 30, max_ms=50),
                                interval, sweep_every_s=3600).start()
@@ -179,7 +175,6 @@ def test_maintenance_thread_keeps_idle_gap_and_store_under_max(tmp_path):
         assert gap >= interval * 0.95, gap
     assert any(r.stopped_by == "entries" and r.remaining_entries > 0 for r in reports)
     assert store.capacity().used_bytes <= 80 * 1024
-    assert metrics.evictions._value.get() == sum(r.entries_evicted for r in reports)
 
 
 def test_objects_of_a_dropped_entry_stay_counted_until_deleted(tmp_path):

@@ -24,11 +24,15 @@ def test_status_prints_capacity_line_and_gauges(tmp_path):
     assert cli.returncode == 0, cli.stderr
     first = cli.stdout.splitlines()[0]
     assert re.fullmatch(r"sparkcache: capacity ranks=1 entries=3 used=0\.0/2\.0GiB healthy=yes", first), first
+    # the gauges an opened store tells, under the names vLLM's /metrics exports
     for gauge in ("vllm:sparkcache_capacity_used_bytes", "vllm:sparkcache_capacity_limit_bytes",
-                  "vllm:sparkcache_entries", "vllm:sparkcache_publication_pending_slots",
-                  "vllm:sparkcache_maintenance_remaining_entries"):
-        assert gauge in cli.stdout
+                  "vllm:sparkcache_entries", "vllm:sparkcache_filesystem_free_bytes",
+                  "vllm:sparkcache_filesystem_floor_bytes"):
+        assert f"# TYPE {gauge} gauge" in cli.stdout, gauge
     assert 'vllm:sparkcache_entries{rank="0"} 3.0' in cli.stdout
+    assert 'vllm:sparkcache_capacity_limit_bytes{rank="0"} 2.147483648e+09' in cli.stdout
+    # a serving worker's gauges (capture slots, maintenance passes) are not the CLI's to print
+    assert "pending_slots" not in cli.stdout and "maintenance_" not in cli.stdout
 
 
 def test_status_several_ranks(tmp_path):
@@ -37,6 +41,8 @@ def test_status_several_ranks(tmp_path):
     other.publish(IDENT, conv_keys(9, 4), conv_pages(9, 4, 4))
     cli = run_cli("status", "--root", str(tmp_path / "s"), "--root", str(tmp_path / "s2"))
     assert cli.stdout.startswith("sparkcache: capacity ranks=2 entries=4 used=0.0/80.0GiB healthy=yes")
+    assert 'vllm:sparkcache_entries{rank="0"} 3.0' in cli.stdout  # one rank label per --root, in order
+    assert 'vllm:sparkcache_entries{rank="1"} 1.0' in cli.stdout
 
 
 def test_status_applies_settings_validation(tmp_path):

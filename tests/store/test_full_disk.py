@@ -7,7 +7,6 @@ import subprocess
 
 import pytest
 
-from sparkcache.metrics import StoreMetrics
 from sparkcache.store import verify_store
 from store_helpers import IDENT, conv_keys, conv_pages, open_store
 
@@ -30,8 +29,7 @@ def small_disk(tmp_path):
 
 
 def test_publication_on_full_disk(small_disk):
-    metrics = StoreMetrics()
-    store = open_store(os.path.join(small_disk, "store"), page_blocks=4, metrics=metrics,
+    store = open_store(os.path.join(small_disk, "store"), page_blocks=4,
                        max_bytes=1 << 30, low_watermark_bytes=1 << 29)
     filler = os.path.join(small_disk, "filler")
     with open(filler, "wb") as f:
@@ -46,7 +44,6 @@ def test_publication_on_full_disk(small_disk):
         published.append(conv)
     assert failure is not None and failure.reason == "no_space", failure
     assert "No space left on device" in failure.detail and "free space" in failure.detail
-    assert metrics.publish_failures("no_space") == 1
     assert len(published) > 10
     # earlier entries are all readable and verified; the failed one is simply absent
     for conv in published:
@@ -58,7 +55,6 @@ def test_publication_on_full_disk(small_disk):
     # more attempts keep failing cleanly while the disk is full
     again = store.publish(IDENT, conv_keys(failed_conv, 16), conv_pages(failed_conv, 16, 4, 1024))
     assert not again.ok and again.reason == "no_space"
-    assert metrics.publish_failures("no_space") == 2
     # space returns: publishing resumes
     os.unlink(filler)
     resumed = store.publish(IDENT, conv_keys(failed_conv, 16), conv_pages(failed_conv, 16, 4, 1024))
@@ -70,14 +66,13 @@ def test_publication_on_full_disk(small_disk):
 
 def test_the_free_space_floor_refuses_publications_and_maintenance_restores_it(small_disk):
     """Another tenant fills the volume under the store: once a publication would leave less
-    free than SPARKCACHE_MIN_FREE_BYTES it is refused (a reason, a fix, a counter), earlier
+    free than SPARKCACHE_MIN_FREE_BYTES it is refused (a reason and a fix), earlier
     entries stay readable, and a maintenance pass evicts the least recently used entries
     until the floor (and an eighth of it) is free again, so publishing resumes."""
     from sparkcache.store import PassBudget, pass_due, run_pass
 
-    metrics = StoreMetrics()
     floor = 1 << 20
-    store = open_store(os.path.join(small_disk, "store"), page_blocks=4, metrics=metrics,
+    store = open_store(os.path.join(small_disk, "store"), page_blocks=4,
                        max_bytes=1 << 30, low_watermark_bytes=1 << 29, min_free_bytes=floor)
     for conv in range(30):  # 16 KiB of pages and a manifest each: about 600 KiB in all
         assert store.publish(IDENT, conv_keys(conv, 16), conv_pages(conv, 16, 4, 1024)).ok
@@ -88,7 +83,6 @@ def test_the_free_space_floor_refuses_publications_and_maintenance_restores_it(s
     refused = store.publish(IDENT, conv_keys(50, 16), conv_pages(50, 16, 4, 1024))
     assert not refused.ok and refused.reason == "low_free_space", refused
     assert "SPARKCACHE_MIN_FREE_BYTES=1MiB" in refused.detail and "maintenance evicts" in refused.detail
-    assert metrics.publish_failures("low_free_space") == 1
     for conv in range(30):
         lookup, read = store.fetch(IDENT, conv_keys(conv, 16))
         assert lookup.hit_blocks == 16 and read.ok
