@@ -75,8 +75,8 @@ def run_scenarios(tree: Path | None, calls: Sequence[tuple[str, dict]], env: dic
     if proc.returncode != 0 or len(results) != len(calls):
         failed = calls[len(results)][0] if len(results) < len(calls) else ", ".join(sorted({m for m, _ in calls}))
         raise RuntimeError(f"scenario {failed} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    expected_root = str(tree) if tree is not None else str(installed_site_packages())
-    if not files or not files[0].startswith(expected_root):
+    expected_root = (tree if tree is not None else installed_site_packages()).resolve()
+    if not files or not Path(files[0]).resolve().is_relative_to(expected_root):  # resolved: the venv may be a link
         raise RuntimeError(f"the scenarios ran vLLM's scheduler from {files}, not from {expected_root}")
     return results
 
