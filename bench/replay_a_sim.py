@@ -61,7 +61,7 @@ def make_scheduler(cfg: dict, extra: dict, store_root: Path):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from transforms.scenarios.harness import tiny_model_config_dir
+    from testing.vllm_scheduler import tiny_model_config_dir
 
     bs = cfg["block_size"]
     num_blocks = cfg["kv_pool_tokens"] // bs
@@ -149,7 +149,7 @@ class Agent:
         self.start_len = len(self.history)
 
     def make_request(self):
-        from transforms.scenarios.harness import make_request
+        from testing.vllm_scheduler import make_request
 
         cfg = self.cfg
         reasoning, reply = self.fresh(cfg["reasoning_tokens"]), self.fresh(cfg["reply_tokens"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from transforms.scenarios.harness import make_request, tiny_model_config_dir
+from testing.vllm_scheduler import make_request, tiny_model_config_dir
 
 BS = 16
 

@@ -23,7 +23,8 @@ it with a fake clock (an instance attribute, harmless on the pristine tree).
 
 from __future__ import annotations
 
-from transforms.scenarios import harness as h
+from testing import vllm_scheduler as h
+from testing.scenarios import option_readings
 
 LEASE_KEY = "sparkcache_gpu_lease_seconds"
 LEASE_SECONDS = 30.0
@@ -47,7 +48,7 @@ def _scheduler(options_on: bool):
     extra = {"probe_delay_free": True}
     if options_on:
         extra[LEASE_KEY] = LEASE_SECONDS
-    scheduler = h.make_hybrid_scheduler(num_blocks=NUM_BLOCKS, extra_config=extra)
+    scheduler = h.make_scheduler(h.probe_connector(extra), num_blocks=NUM_BLOCKS)
     clock = _Clock()
     scheduler._sparkcache_now = clock
     return scheduler, clock
@@ -171,7 +172,7 @@ def expiry_and_late_report(options_on: bool) -> dict:
 def run(options_on: bool, config_values: list | None = None) -> dict:
     """config_values: how the scheduler reads each sparkcache_gpu_lease_seconds value instead."""
     if config_values is not None:
-        return h.option_readings(
+        return option_readings(
             [{LEASE_KEY: value} for value in config_values],
             lambda scheduler: getattr(scheduler, "sparkcache_lease_seconds", None),
             num_blocks=NUM_BLOCKS,

@@ -1,11 +1,16 @@
-"""Drive vLLM 0.32.0's real Scheduler in-process with synthetic model outputs.
+"""vLLM 0.32.0's real Scheduler in-process, with a synthetic model: the one factory, request and step
+that the scheduler scenarios (``testing.scenarios``), the connector's scheduler tests
+(``tests/connector/test_*_scheduler.py``) and Replay A (``bench/replay_a_sim.py``) drive it with.
 
-The scheduler, the KV cache manager, the block pool and the hybrid
-coordinator are vLLM's own (pristine or transformed, whichever ``vllm`` is
-first on ``sys.path``). Only the model is synthetic: every scheduled request
-samples ``token_id`` each step. The KV connector is :class:`ProbeConnector`,
-a real ``KVConnectorBase_V1`` + ``SupportsHMA`` plugin whose scheduler side
-answers from a token-prefix "store" the scenario controls.
+The scheduler, the KV cache manager, the block pool and the hybrid coordinator are vLLM's own
+(pristine or transformed, whichever ``vllm`` is first on ``sys.path``). Only the model is
+synthetic: :func:`step` samples one token for every scheduled request whose chunk reaches its end
+(``token_id``, or what ``sample`` picks), and reports whatever the caller says the workers
+finished. The KV connector is any plugin (:func:`make_scheduler`'s ``kv_transfer``):
+:func:`probe_connector` (:class:`ProbeConnector`, whose scheduler side answers from a token-prefix
+"store" the caller fills) or :func:`sparkcache_connector` (sparkcache's real connector).
+
+Import only inside a process that may import vLLM (nothing here imports it at module level).
 """
 
 from __future__ import annotations
@@ -45,18 +50,45 @@ def tiny_model_config_dir() -> str:
     return str(path)
 
 
-def make_hybrid_scheduler(
+def probe_connector(extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``kv_transfer`` for :class:`ProbeConnector` (its keys: ``probe_delay_free``, ``probe_divergent``,
+    and any transform option)."""
+    return {
+        "kv_connector": "ProbeConnector",
+        "kv_connector_module_path": "testing.vllm_scheduler",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": dict(extra_config or {}),
+    }
+
+
+def sparkcache_connector(extra_config: dict[str, Any]) -> dict[str, Any]:
+    """``kv_transfer`` for sparkcache's real connector (a failed load is recomputed)."""
+    return {
+        "kv_connector": "SparkcacheConnector",
+        "kv_connector_module_path": "sparkcache.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(extra_config),
+    }
+
+
+def make_scheduler(
+    kv_transfer: dict[str, Any] | None,
+    *,
     num_blocks: int = 100,
     block_size: int = BLOCK_SIZE,
-    extra_config: dict[str, Any] | None = None,
+    hybrid: bool = True,
     retention_interval: int | None = 0,
-    with_connector: bool = True,
     max_model_len: int = 65536,
     max_num_batched_tokens: int = 8192,
+    tensor_parallel_size: int = 1,
 ):
-    """Full attention + Mamba ("align") hybrid Scheduler, production retention (0) by default."""
+    """vLLM's Scheduler over ``num_blocks`` blocks: full attention, plus a Mamba ("align") group
+    when ``hybrid``; ``retention_interval`` 0 is production's prefix-cache retention (None: dense).
+    ``kv_transfer``: ``KVTransferConfig`` fields (:func:`probe_connector`, :func:`sparkcache_connector`),
+    None for no connector."""
     import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -65,14 +97,6 @@ def make_hybrid_scheduler(
     model_config = ModelConfig(
         model=tiny_model_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len
     )
-    kv_transfer_config = None
-    if with_connector:
-        kv_transfer_config = KVTransferConfig(
-            kv_connector="ProbeConnector",
-            kv_connector_module_path="transforms.scenarios.harness",
-            kv_role="kv_both",
-            kv_connector_extra_config=dict(extra_config or {}),
-        )
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
@@ -83,22 +107,29 @@ def make_hybrid_scheduler(
             watermark=0.0,
         ),
         model_config=model_config,
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, mamba_cache_mode="align"),
-        kv_transfer_config=kv_transfer_config,
+        cache_config=CacheConfig(
+            block_size=block_size, enable_prefix_caching=True, mamba_cache_mode="align" if hybrid else "none"
+        ),
+        kv_transfer_config=None if kv_transfer is None else KVTransferConfig(**kv_transfer),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["attn"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-            ),
+    groups = [
+        KVCacheGroupSpec(
+            ["attn"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        )
+    ]
+    if hybrid:
+        groups.append(
             KVCacheGroupSpec(
                 ["mamba"],
                 MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"),
-            ),
-        ],
+            )
+        )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
         prefix_cache_retention_interval=retention_interval,
     )
     register_all_kvcache_specs(vllm_config)
@@ -115,8 +146,17 @@ def make_hybrid_scheduler(
 _hasher_ready = False
 
 
-def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size: int = BLOCK_SIZE):
-    """A vLLM Request with real block hashes (sha256 chain) for prefix caching."""
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int = 3,
+    block_size: int = BLOCK_SIZE,
+    *,
+    mm_features: list | None = None,
+    prompt_embeds: Any = None,
+):
+    """A vLLM Request with real block hashes (sha256 chain) for prefix caching; greedy to
+    ``max_tokens`` (no EOS). ``mm_features``, ``prompt_embeds``: as vLLM's Request takes them."""
     global _hasher_ready
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -133,6 +173,8 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size
         prompt_token_ids=list(prompt),
         sampling_params=params,
         pooling_params=None,
+        mm_features=mm_features,
+        prompt_embeds=prompt_embeds,
         block_hasher=get_request_block_hasher(block_size, sha256),
     )
 
@@ -140,29 +182,60 @@ def make_request(request_id: str, prompt: list[int], max_tokens: int, block_size
 def step(
     scheduler,
     token_id: int = 7,
-    finished_sending: Iterable[str] = (),
-    finished_recving: Iterable[str] = (),
-    on_scheduled=None,
+    *,
+    sample: Callable[[Any], int] | None = None,
+    on_scheduled: Callable[[Any], dict | None] | None = None,
+    finished_sending: Iterable[str] | None = (),
+    finished_recving: Iterable[str] | None = (),
+    failed_recving: Iterable[str] | None = (),
+    invalid_block_ids: Iterable[int] | None = (),
+    kv_connector_worker_meta: Any = None,
 ):
-    """One scheduler step with a synthetic model: every request that reaches its end samples token_id.
+    """One ``schedule()`` and ``update_from_output()`` with a synthetic model output.
 
-    on_scheduled(output) runs between schedule() and update_from_output(), while
-    per-request prefill stats are still on the requests.
+    Every scheduled request whose chunk reaches its last known token samples one token:
+    ``sample(request)`` if given, else ``token_id``; a request mid-prefill samples nothing.
+    The workers' report (a ``KVConnectorOutput``, only when something is reported) carries
+    ``finished_sending``, ``finished_recving`` (with ``failed_recving`` added: a failed load is
+    finished too), ``failed_recving``, ``invalid_block_ids`` and ``kv_connector_worker_meta``.
+
+    ``on_scheduled(output)`` runs between the two, while per-request prefill stats are still on
+    the requests; a dict it returns replaces those report fields. Returns the SchedulerOutput;
+    the engine-core outputs (with the step's stats) are left in ``scheduler.last_engine_outputs``.
     """
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     out = scheduler.schedule()
+    report = {
+        "finished_sending": finished_sending,
+        "finished_recving": finished_recving,
+        "failed_recving": failed_recving,
+        "invalid_block_ids": invalid_block_ids,
+        "kv_connector_worker_meta": kv_connector_worker_meta,
+    }
     if on_scheduled is not None:
-        on_scheduled(out)
+        report.update(on_scheduled(out) or {})
     req_ids = list(out.num_scheduled_tokens)
-    # schedule() has already advanced num_computed_tokens by this step's chunk. A request
-    # whose chunk does not reach its last known token is mid-prefill and samples nothing.
-    sampled = [
-        [token_id] if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_tokens else []
-        for rid in req_ids
-    ]
-    sending, recving = set(finished_sending), set(finished_recving)
-    kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None) if (sending or recving) else None
+    sampled = []
+    for rid in req_ids:
+        # schedule() has already advanced num_computed_tokens by this step's chunk. A request
+        # whose chunk does not reach its last known token is mid-prefill and samples nothing.
+        req = scheduler.requests[rid]
+        done = req.num_computed_tokens >= req.num_tokens
+        sampled.append([token_id if sample is None else sample(req)] if done else [])
+    sending, recving, failed, invalid = (
+        set(report[k] or ()) for k in ("finished_sending", "finished_recving", "failed_recving", "invalid_block_ids")
+    )
+    meta = report["kv_connector_worker_meta"]
+    kv_out = None
+    if sending or recving or failed or invalid or meta is not None:
+        kv_out = KVConnectorOutput(
+            finished_sending=sending or None,
+            finished_recving=(recving | failed) or None,
+            failed_recving=failed,
+            invalid_block_ids=invalid,
+            kv_connector_worker_meta=meta,
+        )
     runner_out = ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -172,7 +245,7 @@ def step(
         pooler_output=None,
         kv_connector_output=kv_out,
     )
-    scheduler.update_from_output(out, runner_out)
+    scheduler.last_engine_outputs = scheduler.update_from_output(out, runner_out)
     return out
 
 
@@ -191,66 +264,41 @@ def run_to_completion(scheduler, request, token_id: int = 7, max_steps: int = 10
 
 
 def per_group_hits(scheduler, request) -> tuple[int, ...]:
+    """Each KV cache group's longest local hit for request's prompt (vLLM's coordinator)."""
     coordinator = scheduler.kv_cache_manager.coordinator
     _, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
     return tuple(hits)
 
 
-def first_schedule_hit(scheduler, request, token_id: int = 7) -> dict:
-    """Admit request for one step; its local and external hit as vLLM's own prefill stats record them."""
-    seen: dict = {}
-
-    def read_stats(out) -> None:
-        stats = request.prefill_stats
-        new = {r.req_id: r for r in out.scheduled_new_reqs}
-        seen["num_computed_tokens"] = new[request.request_id].num_computed_tokens if request.request_id in new else None
-        seen["local"] = getattr(stats, "num_local_cached_tokens", None)
-        seen["external"] = getattr(stats, "num_external_cached_tokens", None)
-
-    scheduler.add_request(request)
-    step(scheduler, token_id, on_scheduled=read_stats)
-    return seen
-
-
-def option_readings(configs: list[dict[str, Any]], read: Callable[[Any], Any], **kwargs: Any) -> dict:
-    """How the Scheduler reads a transform's options: built once per ``configs`` entry (added to
-    kv_connector_extra_config), each reading is ``{"error": str | None, "read": read(scheduler)}``.
-
-    First a Scheduler without any of the options: on the transformed tree it must not import
-    sparkcache (the injected code imports ``sparkcache.settings`` only for a key that is present).
-    """
-    import sys
-
-    def reading(extra: dict[str, Any]) -> dict[str, Any]:
-        try:
-            scheduler = make_hybrid_scheduler(extra_config=extra, **kwargs)
-        except ValueError as exc:
-            return {"error": str(exc), "read": None}
-        return {"error": None, "read": read(scheduler)}
-
-    # Another scenario in this interpreter may have imported it already: take it out of
-    # sys.modules, so that only an import by this Scheduler puts it back.
-    earlier = sys.modules.pop("sparkcache.settings", None)
-    absent = reading({})
-    imported = "sparkcache.settings" in sys.modules
-    if earlier is not None and not imported:
-        sys.modules["sparkcache.settings"] = earlier
+def prefill_hit(request, out) -> dict:
+    """request's hit in the SchedulerOutput ``out`` that admitted it, as vLLM's own prefill stats
+    record it: read after ``schedule()``, before ``update_from_output`` consumes the stats."""
+    stats = request.prefill_stats
+    new = {r.req_id: r for r in out.scheduled_new_reqs}
     return {
-        "absent": absent,
-        "sparkcache_imported_without_options": imported,
-        "readings": [reading(extra) for extra in configs],
+        "num_computed_tokens": new[request.request_id].num_computed_tokens if request.request_id in new else None,
+        "local": getattr(stats, "num_local_cached_tokens", None),
+        "external": getattr(stats, "num_external_cached_tokens", None),
     }
+
+
+def admit(scheduler, request) -> dict:
+    """Add request and schedule once, without a model output; its :func:`prefill_hit`."""
+    scheduler.add_request(request)
+    return prefill_hit(request, scheduler.schedule())
+
+
+def first_schedule_hit(scheduler, request, token_id: int = 7) -> dict:
+    """Add request and run one :func:`step`; its :func:`prefill_hit` in that step."""
+    seen: dict = {}
+    scheduler.add_request(request)
+    step(scheduler, token_id, on_scheduled=lambda out: seen.update(prefill_hit(request, out)))
+    return seen
 
 
 # --------------------------------------------------------------------------
 # ProbeConnector: a real vLLM KV connector plugin for scheduler scenarios.
 # --------------------------------------------------------------------------
-
-
-def _connector_base():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
-
-    return KVConnectorBase_V1, SupportsHMA
 
 
 def __getattr__(name: str):
@@ -263,16 +311,18 @@ def __getattr__(name: str):
 
 
 def _build_probe_connector():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-    KVConnectorBase_V1, SupportsHMA = _connector_base()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        SupportsHMA,
+    )
 
     class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
-        """Scheduler-side connector whose store holds whatever token prefixes the scenario puts there.
+        """Scheduler-side connector whose store holds whatever token prefixes the caller puts there.
 
         extra config:
           probe_delay_free (bool): hold a finished request's blocks until the
-            scenario reports finished_sending (as an asynchronous capture does).
+            caller reports finished_sending (as an asynchronous capture does).
           probe_divergent (bool): supports_divergent_local_hybrid_hits.
         """
 
@@ -323,7 +373,7 @@ def _build_probe_connector():
         def request_finished_all_groups(self, request, block_ids):
             return self.delay_free, None
 
-        # Worker side is never used in scheduler scenarios.
+        # Worker side is never used by a scheduler-only run.
         def start_load_kv(self, forward_context, **kwargs):
             pass
 
