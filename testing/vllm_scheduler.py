@@ -297,7 +297,7 @@ def first_schedule_hit(scheduler, request, token_id: int = 7) -> dict:
 
 
 # --------------------------------------------------------------------------
-# ProbeConnector: a real vLLM KV connector plugin for scheduler scenarios.
+# KV connector plugins for scheduler-only runs.
 # --------------------------------------------------------------------------
 
 
@@ -310,14 +310,38 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def _build_probe_connector():
+@lru_cache(maxsize=1)
+def scheduler_side_connector() -> type:
+    """The base of a KV connector plugin for a scheduler-only run (``ProbeConnector``, Replay A's
+    ``ReplayConnector``): empty metadata, and a worker side that is never called (no model runs).
+    Subclasses answer the scheduler-side calls."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorMetadata,
         SupportsHMA,
     )
 
-    class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
+    class SchedulerSideConnector(KVConnectorBase_V1, SupportsHMA):
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def start_load_kv(self, forward_context, **kwargs):
+            pass
+
+        def wait_for_layer_load(self, layer_name):
+            pass
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            pass
+
+        def wait_for_save(self):
+            pass
+
+    return SchedulerSideConnector
+
+
+def _build_probe_connector():
+    class ProbeConnector(scheduler_side_connector()):
         """Scheduler-side connector whose store holds whatever token prefixes the caller puts there.
 
         extra config:
@@ -364,26 +388,10 @@ def _build_probe_connector():
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             pass
 
-        def build_connector_meta(self, scheduler_output):
-            return KVConnectorMetadata()
-
         def request_finished(self, request, block_ids):
             return self.delay_free, None
 
         def request_finished_all_groups(self, request, block_ids):
             return self.delay_free, None
-
-        # Worker side is never used by a scheduler-only run.
-        def start_load_kv(self, forward_context, **kwargs):
-            pass
-
-        def wait_for_layer_load(self, layer_name):
-            pass
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            pass
-
-        def wait_for_save(self):
-            pass
 
     return ProbeConnector
