@@ -182,8 +182,8 @@ def run_arm(arm: str, cfg: dict, workdir: Path) -> dict:
     if proc.returncode != 0 or not out_path.exists():
         raise RuntimeError(f"arm {arm} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads(out_path.read_text())
-    root = str(tree) if tree is not None else str(installed_site_packages())
-    if not result["scheduler_file"].startswith(root):
+    root = (tree if tree is not None else installed_site_packages()).resolve()
+    if not Path(result["scheduler_file"]).resolve().is_relative_to(root):  # resolved: the venv may be a link
         raise RuntimeError(f"arm {arm} ran {result['scheduler_file']}, expected a scheduler under {root}")
     return result
 

@@ -126,10 +126,9 @@ def __getattr__(name: str):
 
 
 def _build():
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                                   KVConnectorMetadata, SupportsHMA)
+    from testing.vllm_scheduler import scheduler_side_connector
 
-    class ReplayConnector(KVConnectorBase_V1, SupportsHMA):
+    class ReplayConnector(scheduler_side_connector()):
         def __init__(self, vllm_config, role, kv_cache_config=None):
             super().__init__(vllm_config, role, kv_cache_config)
             if CONTEXT is None:
@@ -159,9 +158,6 @@ def _build():
             ctx.pending_recv[request.request_id] = ctx.now + seconds
             ctx.loads[request.request_id] = {"tokens": num_external_tokens, "seconds": seconds, "read_ok": read_ok}
 
-        def build_connector_meta(self, scheduler_output):
-            return KVConnectorMetadata()
-
         def _finished(self, request):
             ctx = self.ctx
             if ctx.mode != "read-write":
@@ -184,18 +180,5 @@ def _build():
 
         def request_finished_all_groups(self, request, block_ids):
             return self._finished(request)
-
-        # -------------------------------------------------------- worker side (unused)
-        def start_load_kv(self, forward_context, **kwargs):
-            pass
-
-        def wait_for_layer_load(self, layer_name):
-            pass
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            pass
-
-        def wait_for_save(self):
-            pass
 
     return ReplayConnector

@@ -54,44 +54,15 @@ ARMS = ("read-write", "read-write-untransformed", "read-write-transformed-off", 
 
 
 def make_scheduler(cfg: dict, extra: dict, store_root: Path):
-    import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from transforms.scenarios.harness import tiny_model_config_dir
+    from testing.vllm_scheduler import make_scheduler as make_vllm_scheduler
 
     bs = cfg["block_size"]
-    num_blocks = cfg["kv_pool_tokens"] // bs
-    max_len = cfg["max_model_len"]
-    model_config = ModelConfig(model=tiny_model_config_dir(), dtype="float32", seed=0,
-                               skip_tokenizer_init=True, max_model_len=max_len)
-    vllm_config = VllmConfig(
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=cfg["max_num_batched_tokens"],
-                                         max_model_len=max_len, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False, watermark=0.0),
-        model_config=model_config,
-        cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True, mamba_cache_mode="align"),
-        kv_transfer_config=KVTransferConfig(**connector_config(cfg, extra, store_root)),
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["attn"], FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)),
-            KVCacheGroupSpec(["mamba"], MambaSpec(block_size=bs, shapes=((1, 1),), dtypes=(torch.float32,),
-                                                  mamba_cache_mode="align")),
-        ],
-        prefix_cache_retention_interval=0,  # production
-    )
-    register_all_kvcache_specs(vllm_config)
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=bs, hash_block_size=bs, log_stats=True)
-    if scheduler.sparkcache_leases is not None:
-        scheduler.sparkcache_leases.now = lambda: rc.CONTEXT.now  # leases run on the simulated clock
+    scheduler = make_vllm_scheduler(connector_config(cfg, extra, store_root), num_blocks=cfg["kv_pool_tokens"] // bs,
+                                    block_size=bs, max_model_len=cfg["max_model_len"],
+                                    max_num_batched_tokens=cfg["max_num_batched_tokens"])  # hybrid, retention 0
+    leases = getattr(scheduler, "sparkcache_leases", None)  # None: untransformed, or no lease key
+    if leases is not None:
+        leases.now = lambda: rc.CONTEXT.now  # leases run on the simulated clock
     if cfg.get("connector") == "sparkcache":
         replay_a_worker.attach(scheduler, rc.CONTEXT)
     pool = scheduler.kv_cache_manager.block_pool
@@ -150,7 +121,7 @@ class Agent:
         self.start_len = len(self.history)
 
     def make_request(self):
-        from transforms.scenarios.harness import make_request
+        from testing.vllm_scheduler import make_request
 
         cfg = self.cfg
         reasoning, reply = self.fresh(cfg["reasoning_tokens"]), self.fresh(cfg["reply_tokens"])
@@ -179,10 +150,10 @@ class Agent:
 
 
 def run(cfg: dict) -> dict:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     from sparkcache.store import Identity, PageStore
+    from testing.vllm_scheduler import step
 
     arm = cfg["arm"]
     mode, extra, _ = arm_spec(arm, cfg["lease_seconds"])
@@ -209,6 +180,8 @@ def run(cfg: dict) -> dict:
     idle_steps = 0
     stalled = None
 
+    cost = {"prefill_tokens": 0, "decoding": False}  # the last step's, for its modelled time
+
     def on_scheduled(out) -> None:
         for rid, agent in by_rid.items():
             if rid in admitted:
@@ -218,6 +191,16 @@ def run(cfg: dict) -> dict:
                 continue
             admitted[rid] = {"local": stats.num_local_cached_tokens, "external": stats.num_external_cached_tokens,
                              "at": ctx.now}
+        cost.update(prefill_tokens=0, decoding=False)
+        for rid, n in out.num_scheduled_tokens.items():
+            req = scheduler.requests[rid]
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                cost["prefill_tokens"] += n
+            else:
+                cost["decoding"] = True
+
+    def sample(req) -> int:  # the synthetic model: the turn's plan, token by token
+        return by_rid[req.request_id].plan[req.num_output_tokens]
 
     while True:
         if restart_at is not None and ctx.now >= restart_at:
@@ -244,25 +227,8 @@ def run(cfg: dict) -> dict:
                 break
             ctx.now = max(ctx.now, min(candidates))
             continue
-        out = scheduler.schedule()
-        on_scheduled(out)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled, prefill_tokens, decoding = [], 0, False
-        for rid in req_ids:
-            req = scheduler.requests[rid]
-            n = out.num_scheduled_tokens[rid]
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                prefill_tokens += n
-            else:
-                decoding = True
-            done = req.num_computed_tokens + n >= req.num_tokens
-            agent = by_rid[rid]
-            sampled.append([agent.plan[req.num_output_tokens]] if done else [])
-        kv_out = KVConnectorOutput(**report) if report else None
-        runner_out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                       sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                       pooler_output=None, kv_connector_output=kv_out)
-        scheduler.update_from_output(out, runner_out)
+        out = step(scheduler, sample=sample, on_scheduled=on_scheduled, **(report or {}))
+        prefill_tokens, decoding = cost["prefill_tokens"], cost["decoding"]
         steps += 1
         peak_usage = max(peak_usage, scheduler.kv_cache_manager.usage)
         step_s = prefill_tokens * prefill_s + (decode_step_s if decoding else 0.0)

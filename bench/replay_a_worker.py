@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay_a_connector import STANDIN_BYTES_PER_BLOCK, ReplayContext, _resident_snapshot
+from testing.vllm_scheduler import sparkcache_connector
 
 
 def connector_config(ctx: ReplayContext, extra: dict, store_root: Path) -> dict:
@@ -38,9 +39,7 @@ def connector_config(ctx: ReplayContext, extra: dict, store_root: Path) -> dict:
     settings = {"root": str(store_root), "access_mode": ctx.mode, "page_blocks": ctx.store.page_blocks,
                 "min_span_tokens": 0,  # a replay token stands for 32 real ones: no real-token floor
                 "weights_fingerprint": "replay:config-only"}  # the replay's model has no weights
-    return {"kv_connector": "SparkcacheConnector", "kv_connector_module_path": "sparkcache.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {**extra, **settings}}
+    return sparkcache_connector({**extra, **settings})
 
 
 STANDIN_STATE_BYTES = 64

@@ -1,6 +1,6 @@
 """The transformed scheduler behaves in the image as on the tested tree.
 
-Each transforms.scenarios module (one per transform, run with vLLM's real Scheduler and synthetic
+Each testing.scenarios module (one per transform, run with vLLM's real Scheduler and synthetic
 model outputs) runs here both ways; the results must equal what the builder recorded on the host's
 transformed tree (expected/scenarios.json), where tests/transforms asserts the numbers that prove
 each transform. New scenario modules are picked up by themselves.
@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from contracts.device import config_env
-from transforms.scenarios import modules
-from transforms.trees import scenarios_both_ways
+from testing.scenarios import modules, scenarios_both_ways
 
 HOME = Path("/opt/sparkcache")
 EXPECTED = json.loads((HOME / "expected" / "scenarios.json").read_text())

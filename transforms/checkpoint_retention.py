@@ -111,7 +111,7 @@ TRANSFORM = Transform(
     removal_plan=(
         "Remove when upstream vLLM retains a decode-time Mamba checkpoint under sparse retention "
         "(e.g. a 'latest decode boundary' in reachable_block_mask / replay_boundaries); re-measure the "
-        "scenario transforms/scenarios/checkpoint_retention.py on the new version first."
+        "scenario testing/scenarios/checkpoint_retention.py on the new version first."
     ),
     config_keys={
         RETAIN_KEY: (

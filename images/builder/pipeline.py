@@ -117,25 +117,32 @@ def lock_info():
 
 
 def record_scenarios(lock) -> dict:
-    """What transforms/scenarios/* give on the host's transformed tree (cached by lock and scenario sources)."""
-    from transforms import scenarios, trees
+    """What the scheduler scenarios (testing/scenarios) give both ways on the host's transformed tree,
+    as the image's contract suite compares them: ``python -m testing.scenarios record`` in its own
+    interpreter (the builder imports nothing of testing/), cached by the lock and the sources it runs."""
+    from transforms import trees
 
-    modules = scenarios.modules()
-    sources = {p.name: layers.sha256_file(p) for p in sorted(scenarios.HERE.glob("*.py"))}
-    key = layers.short_key({"lock": lock.sha256, "sources": sources, "runner": layers.sha256_file(Path(trees.__file__))})
+    sources = {p.relative_to(REPO_ROOT).as_posix(): layers.sha256_file(p)
+               for p in [*sorted((REPO_ROOT / "testing").rglob("*.py")), REPO_ROOT / "transforms" / "trees.py"]
+               if layers.baked(p, REPO_ROOT)}
+    key = layers.short_key({"lock": lock.sha256, "sources": sources})
     out = CACHE / "scenarios" / f"{key}.json"
     if out.exists():
         return json.loads(out.read_text())
-    progress(f"recording scenarios {', '.join(modules)} on the host's transformed tree (once per lock)")
+    progress("recording the scheduler scenarios (testing/scenarios) on the host's transformed tree (once per lock)")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         tree = trees.build_transformed_tree(Path(tmp) / "site")
-        try:
-            results = trees.scenarios_both_ways(tree, modules)
-        except RuntimeError as exc:
-            last = (str(exc).strip().splitlines() or ["?"])[-1]
-            raise BuildError(f"transforms/scenarios failed on the host's transformed tree: {last}") from None
-    progress(f"scenarios recorded in {time.monotonic() - t0:.0f} s")
+        recorded = Path(tmp) / "scenarios.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "testing.scenarios", "record", str(tree), str(recorded)],
+            cwd=REPO_ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+        )
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            raise BuildError(f"testing/scenarios failed on the host's transformed tree: {last}")
+        results = json.loads(recorded.read_text())
+    progress(f"scenarios {', '.join(results)} recorded in {time.monotonic() - t0:.0f} s")
     dump_json(out, results)
     return results
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from transforms.scenarios.growing_conversation import ALL_OPTIONS
+from testing.scenarios.growing_conversation import ALL_OPTIONS
 
 from .conftest import long_prompt, metric, run_engine
 from .test_engine_hybrid import BLOCK, HYBRID

@@ -22,20 +22,11 @@ def _prompt(seed: int) -> list[int]:
 
 def _vllm_request(rid: str, tokens: list[int], *, mm=(), embeds=None):
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
 
-    init_none_hash(sha256)
-    params = SamplingParams(ignore_eos=True, max_tokens=3)
-    params.update_from_generation_config({}, 2)
     features = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
                                       mm_position=PlaceholderRange(offset=off, length=n))
                 for ident, off, n in mm]
-    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=params, pooling_params=None,
-                   mm_features=features or None, prompt_embeds=embeds,
-                   block_hasher=get_request_block_hasher(BS, sha256))
+    return request(rid, tokens, mm_features=features or None, prompt_embeds=embeds)
 
 
 def _publish(scheduler, req) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+from testing.vllm_scheduler import step
+
 from .scheduler_scenarios import BS, finish_all, make_scheduler, record_of, request, store_prefix
 
 
@@ -21,24 +23,16 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _step(s, *, loaded=(), fail: str | None = None, token_id: int = 7):
     """One engine step with synthetic model outputs; the worker reports ``loaded`` as placed,
     and ``fail``'s synchronous load as failed (its plan's blocks invalid, as the worker does)."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
     from sparkcache.connector.connector import SparkcacheWorkerMetadata
 
-    out = s.schedule()
-    invalid: set[int] = set()
-    if fail is not None:
+    def invalid_blocks(out) -> dict:
+        if fail is None:
+            return {}
         (plan,) = [p for p in out.kv_connector_metadata.loads if p.req_id == fail]
-        invalid = set(plan.block_ids[0])
-    req_ids = list(out.num_scheduled_tokens)
-    sampled = [[token_id] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else []
-               for r in req_ids]
-    kv_out = KVConnectorOutput(invalid_block_ids=invalid, kv_connector_worker_meta=SparkcacheWorkerMetadata(
-        [], list(loaded), [fail] if fail is not None else []))
-    s.last_engine_outputs = s.update_from_output(out, ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-        logprobs=None, prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out))
-    return out
+        return {"invalid_block_ids": set(plan.block_ids[0])}
+
+    meta = SparkcacheWorkerMetadata([], list(loaded), [fail] if fail is not None else [])
+    return step(s, token_id, on_scheduled=invalid_blocks, kv_connector_worker_meta=meta)
 
 
 def test_sync_restore_is_scheduled_in_the_same_step_and_credited(tmp_path):

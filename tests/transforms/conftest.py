@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-from transforms.trees import run_scenarios
+from testing.scenarios import run_scenarios
 
 TREES = ("pristine", "transformed")
 

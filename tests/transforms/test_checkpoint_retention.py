@@ -26,7 +26,7 @@ from transforms.checkpoint_retention import DROP_KEY, RETAIN_KEY, SCHEDULER, SIN
 
 pytestmark = [pytest.mark.slow]
 
-SCENARIO = "transforms.scenarios.checkpoint_retention"
+SCENARIO = "testing.scenarios.checkpoint_retention"
 OPTION_CONFIGS = [
     {RETAIN_KEY: "yes"},  # accepted as true before the one table
     {RETAIN_KEY: True, DROP_KEY: "no"},

@@ -1,6 +1,6 @@
 """All three transforms together: a 6-turn growing conversation keeps its full local hit.
 
-Runs transforms/scenarios/growing_conversation.py on vLLM's real Scheduler,
+Runs testing/scenarios/growing_conversation.py on vLLM's real Scheduler,
 once on the pristine tree (options absent: the transforms do not exist there)
 and once on the transformed tree with every option on, each in its own process.
 """
@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow]
 
-SCENARIO = "transforms.scenarios.growing_conversation"
+SCENARIO = "testing.scenarios.growing_conversation"
 SCENARIO_CALLS = [("pristine", SCENARIO, {"options_on": False}), ("transformed", SCENARIO, {"options_on": True})]
 
 

@@ -33,7 +33,7 @@ from transforms.lease_accounting import LEASE_KEY, SCHEDULER, SINGLE_TYPE, STATS
 
 pytestmark = [pytest.mark.slow]
 
-SCENARIO = "transforms.scenarios.lease_accounting"
+SCENARIO = "testing.scenarios.lease_accounting"
 # The injected code calls sparkcache.settings.transform_option: the connector's own row.
 LEASE_VALUES = [float("nan"), float("inf"), "5", True, None, 0, -1, "soon", 0.0001, 86401, 2.5, 30]
 SCENARIO_CALLS = [

@@ -31,7 +31,7 @@ from transforms.prefer_local_prefix import KEY, TRANSFORM
 
 pytestmark = [pytest.mark.slow]
 
-SCENARIO = "transforms.scenarios.prefer_local_prefix"
+SCENARIO = "testing.scenarios.prefer_local_prefix"
 # The string "false" used to turn the transform on (bool("false")); now only JSON booleans.
 OPTION_VALUES = ["false", "true", "", 0, 1, None, True, False]
 SCENARIO_CALLS = [

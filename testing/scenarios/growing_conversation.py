@@ -17,7 +17,7 @@ evicted ahead of its attention partners, and the hit falls short.
 
 from __future__ import annotations
 
-from transforms.scenarios import harness as h
+from testing import vllm_scheduler as h
 
 TURNS = 6
 START_TOKENS = 100
@@ -58,7 +58,7 @@ def _pressure_sparing_attention(scheduler, request) -> int:
 
 def run(options_on: bool) -> dict:
     extra = {"probe_delay_free": True, **(ALL_OPTIONS if options_on else {})}
-    scheduler = h.make_hybrid_scheduler(num_blocks=NUM_BLOCKS, extra_config=extra)
+    scheduler = h.make_scheduler(h.probe_connector(extra), num_blocks=NUM_BLOCKS)
     conversation = list(range(1000, 1000 + START_TOKENS))
     turns = []
     reusable = 0

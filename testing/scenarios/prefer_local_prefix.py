@@ -19,12 +19,14 @@ and every attention token below it is resident or loaded.
 
 from __future__ import annotations
 
-from transforms.scenarios.harness import (
+from testing.scenarios import option_readings
+from testing.vllm_scheduler import (
     BLOCK_SIZE,
-    make_hybrid_scheduler,
+    admit,
     make_request,
-    option_readings,
+    make_scheduler,
     per_group_hits,
+    probe_connector,
     run_to_completion,
 )
 
@@ -75,20 +77,12 @@ def _case(options_on: bool, divergent: bool, store_tokens: int, seed=_seed) -> d
     extra = {"probe_divergent": divergent}
     if options_on:
         extra["sparkcache_prefer_local_prefix"] = True
-    scheduler = make_hybrid_scheduler(num_blocks=100, extra_config=extra)
+    scheduler = make_scheduler(probe_connector(extra), num_blocks=100)
     resident = seed(scheduler)
     request = make_request("turn", PROMPT, max_tokens=1)
     before_hits = per_group_hits(scheduler, request)
     scheduler.connector.store_prefix(PROMPT[:store_tokens])
-    scheduler.add_request(request)
-    out = scheduler.schedule()  # vLLM's own admission; prefill_stats is read before the output consumes it
-    stats = request.prefill_stats
-    new = {r.req_id: r for r in out.scheduled_new_reqs}
-    hit = {
-        "num_computed_tokens": new[request.request_id].num_computed_tokens if request.request_id in new else None,
-        "local": stats.num_local_cached_tokens,
-        "external": stats.num_external_cached_tokens,
-    }
+    hit = admit(scheduler, request)  # vLLM's own admission, read before a model output consumes its stats
     attn_ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
     reused = sum(1 for a, b in zip(attn_ids, resident) if a == b)
     local, external = hit["local"], hit["external"]

@@ -5,11 +5,11 @@ transformed manager's calls into it are tests/transforms/test_checkpoint_retenti
 from __future__ import annotations
 
 from sparkcache.hooks.checkpoint_retention import DROP_KEY, RETAIN_KEY, DecodeCheckpoints, enable_decode_checkpoints
-from transforms.scenarios.harness import BLOCK_SIZE, make_hybrid_scheduler, make_request, step
+from testing.vllm_scheduler import BLOCK_SIZE, make_request, make_scheduler, probe_connector, step
 
 
 def _mamba(extra):
-    scheduler = make_hybrid_scheduler(extra_config=extra)
+    scheduler = make_scheduler(probe_connector(extra))
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[1]
     manager.sparkcache_decode_checkpoints = None  # the attribute the transform adds
     enable_decode_checkpoints(scheduler)

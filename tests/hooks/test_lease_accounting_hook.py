@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from sparkcache.hooks.lease_accounting import KEY, GpuLeases, RetiredCheckpoints
-from transforms.scenarios import lease_accounting as shape
-from transforms.scenarios.harness import make_hybrid_scheduler, make_request, run_to_completion
+from testing.scenarios import lease_accounting as shape
+from testing.vllm_scheduler import make_request, make_scheduler, probe_connector, run_to_completion
 
 
 def _finished_with_delayed_free():
-    scheduler = make_hybrid_scheduler(num_blocks=shape.NUM_BLOCKS,
-                                      extra_config={"probe_delay_free": True, KEY: shape.LEASE_SECONDS})
+    scheduler = make_scheduler(probe_connector({"probe_delay_free": True, KEY: shape.LEASE_SECONDS}),
+                               num_blocks=shape.NUM_BLOCKS)
     mamba = scheduler.kv_cache_manager.coordinator.single_type_managers[shape.MAMBA_GROUP]
     mamba.sparkcache_retired = None  # the attribute the transform adds; GpuLeases fills it
     leases = GpuLeases(scheduler)
@@ -72,6 +72,6 @@ def test_retired_checkpoints_keep_only_blocks_still_under_their_hash():
 
 @pytest.mark.parametrize("value", ["30", float("nan"), 0, -1, True, None])
 def test_a_bad_lease_length_is_refused_naming_the_key(value):
-    scheduler = make_hybrid_scheduler(extra_config={KEY: value})
+    scheduler = make_scheduler(probe_connector({KEY: value}))
     with pytest.raises(ValueError, match=rf"kv_connector_extra_config\['{KEY}'\]"):
         GpuLeases(scheduler)

@@ -8,24 +8,24 @@ from __future__ import annotations
 import pytest
 
 from sparkcache.hooks.prefer_local_prefix import KEY, LocalPrefixFirst
-from transforms.scenarios import prefer_local_prefix as shapes
-from transforms.scenarios.harness import BLOCK_SIZE, make_hybrid_scheduler, make_request
+from testing.scenarios import prefer_local_prefix as shapes
+from testing.vllm_scheduler import BLOCK_SIZE, make_request, make_scheduler, probe_connector
 
 
 def _seeded(seed=shapes._seed, store_tokens: int = 0):
     """A scheduler whose attention is resident deeper than its Mamba state, the hook, a 100-token
     turn, and the store holding its first store_tokens."""
-    scheduler = make_hybrid_scheduler(num_blocks=100, extra_config={KEY: True})
+    scheduler = make_scheduler(probe_connector({KEY: True}), num_blocks=100)
     seed(scheduler)
     scheduler.connector.store_prefix(shapes.PROMPT[:store_tokens])
     return scheduler, LocalPrefixFirst(scheduler), make_request("turn", shapes.PROMPT, max_tokens=1)
 
 
 def test_attach_reads_the_option_as_the_connector_does():
-    assert LocalPrefixFirst.attach(make_hybrid_scheduler(extra_config={KEY: True})) is not None
-    assert LocalPrefixFirst.attach(make_hybrid_scheduler(extra_config={KEY: False})) is None
+    assert LocalPrefixFirst.attach(make_scheduler(probe_connector({KEY: True}))) is not None
+    assert LocalPrefixFirst.attach(make_scheduler(probe_connector({KEY: False}))) is None
     with pytest.raises(ValueError, match=r"kv_connector_extra_config\['sparkcache_prefer_local_prefix'\]='false'"):
-        LocalPrefixFirst.attach(make_hybrid_scheduler(extra_config={KEY: "false"}))
+        LocalPrefixFirst.attach(make_scheduler(probe_connector({KEY: "false"})))
 
 
 def test_local_hit_is_the_attention_depth_and_says_it_diverged():

@@ -16,7 +16,8 @@ the decode state it supersedes (48), so retention 0 plus the option hashes
 
 from __future__ import annotations
 
-from transforms.scenarios import harness
+from testing import vllm_scheduler as h
+from testing.scenarios import option_readings
 
 PROMPT_TOKENS = 40
 OUTPUT_TOKENS = 30
@@ -59,7 +60,7 @@ def _run_tracking_states(scheduler, request) -> dict[int, int]:
         if out.num_scheduled_tokens.get(request.request_id, 0):
             end = request.num_computed_tokens  # advanced by this step's schedule
             blocks = manager.req_to_blocks.get(request.request_id) or []
-            idx = -(-end // harness.BLOCK_SIZE) - 1
+            idx = -(-end // h.BLOCK_SIZE) - 1
             if 0 <= idx < len(blocks) and not blocks[idx].is_null:
                 written[blocks[idx].block_id] = end
         return update_from_output(out, runner_out)
@@ -68,7 +69,7 @@ def _run_tracking_states(scheduler, request) -> dict[int, int]:
     scheduler.add_request(request)
     try:
         for _ in range(1000):
-            harness.step(scheduler, SAMPLED_TOKEN)
+            h.step(scheduler, SAMPLED_TOKEN)
             if RequestStatus.is_finished(request.status):
                 return written
     finally:
@@ -77,11 +78,11 @@ def _run_tracking_states(scheduler, request) -> dict[int, int]:
 
 
 def _one_case(extra_config: dict | None, retention_interval: int | None, output_tokens: int = OUTPUT_TOKENS) -> dict:
-    scheduler = harness.make_hybrid_scheduler(
-        num_blocks=NUM_BLOCKS, extra_config=extra_config, retention_interval=retention_interval
+    scheduler = h.make_scheduler(
+        h.probe_connector(extra_config), num_blocks=NUM_BLOCKS, retention_interval=retention_interval
     )
     prompt = [100 + i for i in range(PROMPT_TOKENS)]
-    first = harness.make_request("turn-1", prompt, max_tokens=output_tokens)
+    first = h.make_request("turn-1", prompt, max_tokens=output_tokens)
     written = _run_tracking_states(scheduler, first)
     output = list(first.output_token_ids)
     states = _mamba_state_positions(scheduler)
@@ -94,9 +95,9 @@ def _one_case(extra_config: dict | None, retention_interval: int | None, output_
         and written.get(block.block_id) != block.block_hash_num_tokens
     ]
     next_prompt = prompt + output + [300 + i for i in range(NEW_TOKENS)]
-    second = harness.make_request("turn-2", next_prompt, max_tokens=1)
-    per_group = harness.per_group_hits(scheduler, second)
-    hit = _admit(scheduler, second)
+    second = h.make_request("turn-2", next_prompt, max_tokens=1)
+    per_group = h.per_group_hits(scheduler, second)
+    hit = h.admit(scheduler, second)
     return {
         "prompt_tokens": PROMPT_TOKENS,
         "output_tokens": len(output),
@@ -107,23 +108,6 @@ def _one_case(extra_config: dict | None, retention_interval: int | None, output_
         "next_turn_local_hit": hit["local"],
         "next_turn_external": hit["external"],
         "next_turn_num_computed_tokens": hit["num_computed_tokens"],
-    }
-
-
-def _admit(scheduler, request) -> dict:
-    """Schedule request once; its local / external hit from vLLM's own prefill stats.
-
-    Read right after ``schedule()``: ``update_from_output`` takes the stats
-    away once the prefill completes.
-    """
-    scheduler.add_request(request)
-    out = scheduler.schedule()
-    new = {r.req_id: r for r in out.scheduled_new_reqs}
-    stats = request.prefill_stats
-    return {
-        "num_computed_tokens": new[request.request_id].num_computed_tokens if request.request_id in new else None,
-        "local": None if stats is None else stats.num_local_cached_tokens,
-        "external": None if stats is None else stats.num_external_cached_tokens,
     }
 
 
@@ -142,7 +126,7 @@ def run(options_on: bool, config_values: list | None = None) -> dict:
     retain_only (options_on only): retention 0 with the first key alone.
     config_values: how the scheduler reads each extra-config dict of the two keys instead."""
     if config_values is not None:
-        return harness.option_readings(config_values, _decode_checkpoint_options, num_blocks=NUM_BLOCKS)
+        return option_readings(config_values, _decode_checkpoint_options, num_blocks=NUM_BLOCKS)
     keys = {RETAIN_KEY: True, DROP_KEY: True} if options_on else {}
     result = {
         "options_on": options_on,

@@ -25,7 +25,8 @@ or the option absent).
 
 from __future__ import annotations
 
-from transforms.scenarios import harness as h
+from testing import vllm_scheduler as h
+from testing.scenarios import option_readings
 
 LEASE_KEY = "sparkcache_gpu_lease_seconds"
 LEASE_SECONDS = 30.0
@@ -49,7 +50,7 @@ def _scheduler(options_on: bool):
     extra = {"probe_delay_free": True}
     if options_on:
         extra[LEASE_KEY] = LEASE_SECONDS
-    scheduler = h.make_hybrid_scheduler(num_blocks=NUM_BLOCKS, extra_config=extra)
+    scheduler = h.make_scheduler(h.probe_connector(extra), num_blocks=NUM_BLOCKS)
     clock = _Clock()
     if _leases(scheduler) is not None:
         _leases(scheduler).now = clock
@@ -184,7 +185,7 @@ def expiry_and_late_report(options_on: bool) -> dict:
 def run(options_on: bool, config_values: list | None = None) -> dict:
     """config_values: how the scheduler reads each sparkcache_gpu_lease_seconds value instead."""
     if config_values is not None:
-        return h.option_readings(
+        return option_readings(
             [{LEASE_KEY: value} for value in config_values],
             lambda scheduler: _lease_count(scheduler, "seconds"),
             num_blocks=NUM_BLOCKS,
