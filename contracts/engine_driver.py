@@ -153,15 +153,15 @@ def _settled_units(check: dict, quiet_s: float = 2.0) -> dict:
     changes: list[str] = []  # what moved, for a store that does not get quiet
     while True:
         stores = [PageStore(r, namespace=check.get("namespace", "default"), read_only=True) for r in roots]
-        now = tuple((frozenset(e.entry_id for e in st.entries()), frozenset(os.listdir(st.layout.staging_dir)))
-                    for st in stores)
+        views = [(st.entries(), os.listdir(st.layout.staging_dir)) for st in stores]  # one view per store
+        now = tuple((frozenset(e.entry_id for e in entries), frozenset(staging)) for entries, staging in views)
         if now != seen:
             if seen is not None:
                 changes.append(_change(time.monotonic() - t, seen, now))
             seen, since = now, time.monotonic()
         quiet = not any(staging for _, staging in now) and time.monotonic() - since >= quiet_s
         if quiet or time.monotonic() - t > deadline_s:
-            entries = [e for st in stores for e in st.entries()]
+            entries = [e for entries, _ in views for e in entries]  # the view judged quiet
             bad = incomplete_units(entries, int(check["ranks"]))
             still = [f"root {i}: {len(e)} entries, staging {sorted(st)}" for i, (e, st) in enumerate(now)]
             return {"incomplete_units": [[u.block_count, list(u.ranks)] for u in bad],

@@ -7,7 +7,9 @@ access). Writing a manifest is publication's (``publication.py``); deleting one,
 order that makes a deletion crash-safe, the collector's (``collector.py``).
 
 The catalog takes no lock: ``PageStore`` and the ``Collector`` share one in-process lock
-and hold it around every call here (except where a caller says why a read may go without).
+and hold it around every call that changes the view or reads its sums. One exception:
+``touch`` (a lookup's recency) runs without it: it sets one entry's ``last_access``, a
+single attribute store, and writes the manifest's mtime.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ It owns its state: whether it is draining toward the low watermark, the manifest
 directories with unlinks not yet fsynced, what its units of work recently cost and where
 the next orphan sweep starts. It shares the catalog with ``PageStore`` and receives the
 in-process ``lock`` that guards both (an ``RLock``); it takes ``lock`` itself around every
-change to the catalog or to its own state.
+change to the catalog and to its draining flag and unsynced directories. The shard cursor and
+the unit costs are only touched by the holder of the exclusive gc lock (a pass), so they take
+no in-process lock.
 
 Two locks, always taken in this order: the cross-process exclusive gc lock
 (``locks.exclusive_lock``), then ``lock``. Methods marked [gc lock] must be called with the

@@ -110,7 +110,8 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     clock = PassClock(collector.unit_costs, budget.max_ms)
     cpu0 = time.thread_time()
     runq0 = runqueue_wait_s()
-    used_before = collector.catalog.used_bytes
+    with collector.lock:  # the view's sums change under publication's and lookups' refreshes
+        used_before = collector.catalog.used_bytes
     evicted = expired_n = reclaimed = orphans = orphan_bytes = swept = skipped = remaining = 0
     fsync_s = lock_wait_s = plan_s = 0.0
     stopped_by = "done"
@@ -251,13 +252,15 @@ def _plan(store: PageStore, catalog: Catalog, by_age: list, pinned: set[str], dr
     projected use is at or under the low watermark (the store's limits); each followed by
     the other shards of its unit (``joined``: True), and no unit of which a shard is pinned.
     Lazy, so the planning work of a pass is bounded by the pass's own budget. Only for
-    ``run_pass``, under the exclusive gc lock: it reads the catalog without the in-process
-    lock (only this pass removes entries meanwhile)."""
+    ``run_pass``, under the exclusive gc lock (no other pass or ``discard`` runs meanwhile);
+    ``by_age`` is this pass's own list, and the catalog's sums are read under the in-process
+    lock (a lookup's refresh may change the view meanwhile)."""
     units = shard_units(by_age)
     candidates = [e for e in by_age if not any(s.entry_id in pinned for s in units[e.entry_id])]
     yield len(by_age) - len(candidates)
     dropping: dict[str, int] = {}
-    projected = catalog.used_bytes - catalog.deferred_bytes()  # deferred objects go anyway
+    with store.collector.lock:
+        projected = catalog.used_bytes - catalog.deferred_bytes()  # deferred objects go anyway
     planned: set[str] = set()
 
     def drop(e: Any, expired: bool):
