@@ -5,7 +5,7 @@
 The image lane (tests/image_build: debootstrap, wheel downloads, docker build, push, pull and the
 contract suite in a container) waits on the network, the Docker Engine and the registry much of
 the time, so it also runs upstream's own tests on the transformed tree against their record
-(tests/test_upstream_unchanged.py, the longest CPU-bound test); the host lane (everything else) is
+(tests/test_upstream_unchanged.py) and the restore engine lives; the host lane (everything else) is
 CPU-bound, often on one core. Side by side they share the two cores instead of taking turns. Each line of output carries its lane's name; each
 lane's whole output is also kept in .cache/test-logs/LANE.log. Exits non-zero if either lane
 fails, after both have finished.
@@ -21,9 +21,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / ".cache" / "test-logs"
-# Upstream's tests (CPU-bound, one core) ride in the image lane, which otherwise
-# waits on I/O, so the two lanes end closer together (docs/RESULTS.md, "Test suite time").
-_IMAGE_LANE = ["tests/image_build", "tests/test_upstream_unchanged.py"]
+# Upstream's tests and the restore engine lives (CPU-bound, one core) ride in the image lane, which
+# otherwise waits on I/O, so the two lanes end closer together (docs/RESULTS.md, "Test suite time").
+_IMAGE_LANE = ["tests/image_build", "tests/test_upstream_unchanged.py", "tests/connector/test_engine_restore.py"]
 LANES = {"image": _IMAGE_LANE,
          "host": ["tests", *(f"--ignore={path}" for path in _IMAGE_LANE)]}
 
