@@ -13,9 +13,12 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 from .settings import SettingsError, Settings, load_settings, render_settings_help
+
+if TYPE_CHECKING:  # the commands import the store when they run (as _open does)
+    from .store import PageStore
 
 # Object shards of a store (two hex digits); ``gc --sweep-shards`` sweeps 0 .. all of them.
 _OBJECT_SHARDS = 256
@@ -87,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 _CONFIG_EXAMPLE = "'{\"max_bytes\": \"40GiB\"}'"
 
 
-def _read_config(value: str) -> dict[str, Any]:
+def _read_config(value: str) -> dict[str, object]:
     """``--config``: a JSON object, or ``@FILE`` holding one; a SettingsError names the fix."""
     where, text = "--config", value
     if value.startswith("@"):
@@ -132,7 +135,7 @@ def _settings(args: argparse.Namespace, root: str | None) -> Settings:
     return settings
 
 
-def _open(settings: Settings, *, writer: bool) -> Any:
+def _open(settings: Settings, *, writer: bool) -> PageStore:
     """The store; only a ``writer`` (gc) may write under the root."""
     from .store import PageStore
 

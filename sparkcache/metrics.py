@@ -14,9 +14,16 @@ No vLLM, no torch: the CLI imports this module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .store.reasons import LOOKUP_MISSES, PUBLISH_FAILURES
+
+if TYPE_CHECKING:  # for readers and type checkers; prometheus_client is imported where it is used
+    from prometheus_client import Gauge
+
+    from .store import CapacitySnapshot, PageStore
+
+_Metric = TypeVar("_Metric")  # what make_metric's ``cls`` makes: a Counter, Gauge or Histogram (or a stand-in)
 
 PREFIX = "vllm:sparkcache_"
 
@@ -258,12 +265,12 @@ def _check_tables() -> None:
 _check_tables()
 
 
-def make_metric(metric: CounterMetric | GaugeMetric | HistogramMetric, cls: Callable[..., Any],
-                labelnames: Sequence[str] = ()) -> Any:
+def make_metric(metric: CounterMetric | GaugeMetric | HistogramMetric, cls: Callable[..., _Metric],
+                labelnames: Sequence[str] = ()) -> _Metric:
     """The Prometheus metric of a declaration: ``cls`` is a prometheus_client class (or
     vLLM's stand-in for it, as ``build_prom_metrics`` hands them), ``labelnames`` the
     exporter's own labels, before the declaration's."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, list[float]] = {}
     if isinstance(metric, HistogramMetric):
         kwargs["buckets"] = list(metric.buckets)
     return cls(name=PREFIX + metric.name, documentation=metric.help,
@@ -273,7 +280,7 @@ def make_metric(metric: CounterMetric | GaugeMetric | HistogramMetric, cls: Call
 # ---------------------------------------------------------------------- the store's own gauges
 
 
-def store_gauges(store: Any) -> dict[str, float]:
+def store_gauges(store: PageStore) -> dict[str, float]:
     """The per-rank gauges an opened store tells by itself (capacity, entries, and the
     filesystem's free bytes and floor when it can be read): what a worker ships with its
     stats and what ``sparkcache status`` prints."""
@@ -294,7 +301,7 @@ def render_store_gauges(per_rank: Iterable[Mapping[str, float]]) -> str:
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     registry = CollectorRegistry()
-    made: dict[str, Any] = {}
+    made: dict[str, Gauge] = {}
     for rank, gauges in enumerate(per_rank):
         for key, value in gauges.items():
             require_gauge(key, per_rank=True)
@@ -305,7 +312,7 @@ def render_store_gauges(per_rank: Iterable[Mapping[str, float]]) -> str:
     return generate_latest(registry).decode()
 
 
-def render_capacity_line(snapshots: Sequence[Any]) -> str:
+def render_capacity_line(snapshots: Sequence[CapacitySnapshot]) -> str:
     """``sparkcache: capacity ranks=R entries=N used=X.X/Y.YGiB healthy=yes|no``.
 
     Sums over ranks; healthy means every rank is at or under its max bytes and has no

@@ -31,7 +31,7 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 ENV_PREFIX = "SPARKCACHE_"
 ACCESS_MODES = ("read-write", "restore-only", "store-only", "disabled")
@@ -39,6 +39,12 @@ ACCESS_MODES = ("read-write", "restore-only", "store-only", "disabled")
 
 class SettingsError(ValueError):
     """A setting has a bad value; the message names the variable, the value and the fix."""
+
+
+# A parsed setting (the ``Settings`` field types; None: an option left unset). What is parsed
+# is ``object``: an environment string or any JSON value from ``kv_connector_extra_config``,
+# whose type each parser checks before using it.
+SettingValue = bool | int | float | str | None
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -52,7 +58,7 @@ _BYTE_UNITS = {
 _BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_bytes(text: Any) -> int:
+def parse_bytes(text: object) -> int:
     """``"40GiB"`` -> 42949672960. Raises ValueError with the accepted forms."""
     if isinstance(text, bool):
         raise ValueError("expected a byte size, got a boolean")
@@ -75,7 +81,7 @@ def format_bytes(n: int) -> str:
     return str(n)
 
 
-def _parse_bool(value: Any) -> bool:
+def _parse_bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -86,7 +92,7 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
-def _parse_int(value: Any) -> int:
+def _parse_int(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("expected an integer, got a boolean")
     if isinstance(value, int):
@@ -94,7 +100,7 @@ def _parse_int(value: Any) -> int:
     return int(str(value).strip())
 
 
-def _parse_float(value: Any) -> float:
+def _parse_float(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a number, got a boolean")
     number = float(str(value).strip()) if not isinstance(value, (int, float)) else float(value)
@@ -103,25 +109,25 @@ def _parse_float(value: Any) -> float:
     return number
 
 
-def _parse_str(value: Any) -> str:
+def _parse_str(value: object) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {type(value).__name__}")
     return value.strip()
 
 
-def _parse_json_bool(value: Any) -> bool:
+def _parse_json_bool(value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError("not a JSON boolean")
     return value
 
 
-def _parse_json_number(value: Any) -> float:
+def _parse_json_number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("not a JSON number")
     return _parse_float(value)
 
 
-_PARSERS: dict[str, Callable[[Any], Any]] = {
+_PARSERS: dict[str, Callable[[object], SettingValue]] = {
     "bool": _parse_bool, "int": _parse_int, "float": _parse_float,
     "bytes": parse_bytes, "str": _parse_str, "path": _parse_str, "choice": _parse_str,
     "json_bool": _parse_json_bool, "json_number": _parse_json_number,
@@ -139,7 +145,7 @@ class SettingRow:
 
     name: str
     type: str  # bool | int | float | bytes | str | path | choice | json_bool | json_number
-    default: Any
+    default: SettingValue
     help: str
     minimum: float | None = None
     maximum: float | None = None
@@ -190,7 +196,7 @@ class SettingRow:
             return f"a finite JSON number {bounds} (not a string, boolean or null)"
         return bounds
 
-    def parse(self, raw: Any, source: str) -> Any:
+    def parse(self, raw: object, source: str) -> SettingValue:
         where = f"{self.label}={raw!r}" + (f" (from {source})" if source != "env" and not self.transform else "")
         try:
             value = _PARSERS[self.type](raw)
@@ -336,7 +342,7 @@ class Settings:
             return self
         return dataclasses.replace(self, root=self.root.replace(RANK_PLACEHOLDER, str(int(tp_rank))))
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: SettingValue) -> "Settings":
         """A copy with ``changes`` (by field name) applied and validated again."""
         merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         merged.update(changes)
@@ -349,7 +355,7 @@ assert [f.name for f in dataclasses.fields(Settings)] == [r.field for r in SETTI
 
 
 def load_settings(env: Mapping[str, str] | None = None,
-                  extra_config: Mapping[str, Any] | None = None,
+                  extra_config: Mapping[str, object] | None = None,
                   *, require_root: bool = True) -> Settings:
     """Read, parse and validate every row. ``env`` defaults to ``os.environ``. An unknown
     ``SPARKCACHE_*`` variable or ``kv_connector_extra_config`` key is an error naming the
@@ -357,7 +363,7 @@ def load_settings(env: Mapping[str, str] | None = None,
     env = os.environ if env is None else env
     extra = dict(extra_config or {})
     _reject_unknown(extra, env)
-    values: dict[str, Any] = {}
+    values: dict[str, SettingValue] = {}
     unset = set()
     for row in SETTINGS_TABLE:
         if row.key in extra:
@@ -374,7 +380,7 @@ def load_settings(env: Mapping[str, str] | None = None,
     return settings
 
 
-def transform_option(extra_config: Mapping[str, Any] | None, key: str) -> Any:
+def transform_option(extra_config: Mapping[str, object] | None, key: str) -> SettingValue:
     """The scheduler transform option ``key`` (``sparkcache_<name>``) of vLLM's
     ``kv_connector_extra_config``, parsed by its row of the table exactly as ``load_settings``
     parses it; the row's default when the key is absent.
@@ -404,7 +410,7 @@ _KEY_SPELLINGS = {**{row.field: f"{row.key!r} ({row.label})" for row in SETTINGS
 _ENV_SPELLINGS = {name: name for name in _ENV_NAMES}
 
 
-def _reject_unknown(extra: Mapping[str, Any], env: Mapping[str, str]) -> None:
+def _reject_unknown(extra: Mapping[str, object], env: Mapping[str, str]) -> None:
     for key in extra:
         if key not in _ROWS_BY_KEY:
             raise SettingsError(

@@ -17,11 +17,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Generic, TypeVar
 
 from sparkcache.store import cpus
 
 logger = logging.getLogger("sparkcache.capture")
+
+Job = TypeVar("Job")  # what the publisher is handed (the worker's: pages and keys of one capture)
+Tag = TypeVar("Tag")  # what take_settled names a settled ticket by (the worker's: the request id)
 
 
 @dataclass
@@ -33,17 +36,20 @@ class CaptureSlotStats:
     skipped_too_large: int = 0
 
 
-class CaptureSlots:
-    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Any], Any]) -> None:
+class CaptureSlots(Generic[Job, Tag]):
+    """``publish(job)`` runs on the publisher thread; its result counts as published when its
+    ``ok`` is true (a ``PublishResult``) or, having none, when it is truthy."""
+
+    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Job], object]) -> None:
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self._publish = publish
         self._free = n_slots
         self._lock = threading.Lock()
-        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._queue: queue.Queue[tuple[int, Job] | None] = queue.Queue()
         self._pending: dict[int, tuple[float, int]] = {}
-        self._tags: dict[int, Any] = {}
-        self._settled: list[Any] = []
+        self._tags: dict[int, Tag] = {}
+        self._settled: list[Tag] = []
         self.stats = CaptureSlotStats()
         self._seq = 0
         self._idle = threading.Condition(self._lock)
@@ -65,7 +71,7 @@ class CaptureSlots:
             self.stats.queued += 1
             return self._seq
 
-    def submit(self, ticket: int, job: Any, tag: Any = None) -> None:
+    def submit(self, ticket: int, job: Job, tag: Tag | None = None) -> None:
         if tag is not None:
             with self._lock:
                 self._tags[ticket] = tag
@@ -104,7 +110,7 @@ class CaptureSlots:
 
     # ------------------------------------------------------------------ views
 
-    def take_settled(self) -> list[Any]:
+    def take_settled(self) -> list[Tag]:
         """Tags of submitted tickets whose outcome is counted, since the last call."""
         with self._lock:
             out, self._settled = self._settled, []

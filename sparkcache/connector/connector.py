@@ -35,7 +35,10 @@ from .worker_side import WorkerSide
 if TYPE_CHECKING:  # vLLM's types, for readers and type checkers; never imported at run time here
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -286,7 +289,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         # Keeps an idle engine stepping until our last numbers reached vLLM's stats.
         return self._sched is not None and self._sched.has_pending_push_work()
 
-    def take_events(self) -> Iterable[Any]:
+    def take_events(self) -> Iterable[KVCacheEvent]:
         return ()  # sparkcache emits no KV cache events (stored entries are not GPU blocks)
 
     @property
@@ -299,6 +302,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    # **kwargs of the two hooks below, typed as in vLLM's signatures: whatever vLLM passes, unused
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return
@@ -313,7 +317,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
         return  # captures happen once per finished request, from the blocks vLLM holds for us
 
     def wait_for_save(self) -> None:
@@ -374,10 +379,12 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparkcacheStats:
+        # ``data`` typed as in vLLM's signature: ``SparkcacheStats.data``, plain dicts across processes
         return SparkcacheStats(data=dict(data)) if data else SparkcacheStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> SparkcachePromMetrics:
         return SparkcachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

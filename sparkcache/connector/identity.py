@@ -27,12 +27,17 @@ import os
 import stat
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sparkcache.store import Identity
 
 from .keys import KEY_SCHEME
 from .kv_layout import KVLayout, describe_kv_layout
+
+if TYPE_CHECKING:  # vLLM's types, for readers and type checkers; never imported at run time here
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 LOCK_RESOURCE = "vllm-0.32.0.lock.json"  # package data: the lock of the runtime we were built for
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5",
@@ -53,7 +58,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _canonical(obj: Any) -> str:
+def _canonical(obj: object) -> str:
     """Strict JSON: a value without a stable text form is a TypeError, never its repr
     (an address would differ between the scheduler's process and a worker's)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -70,15 +75,17 @@ def _safetensors_header(path: str) -> bytes:
         return head + f.read(n)
 
 
+# A weight file's record: name, size, mtime_ns and sha256 (or header_sha256).
+FileRecord = dict[str, str | int]
 # (path, dev, inode, size, mtime_ns, ctime_ns) -> record: each file's contents hashed once
-FileRecords = dict
+FileRecords = dict[tuple[str, int, int, int, int, int], FileRecord]
 
 
-def _file_record(path: str, name: str, st: os.stat_result, cache: FileRecords | None) -> dict[str, Any]:
+def _file_record(path: str, name: str, st: os.stat_result, cache: FileRecords | None) -> FileRecord:
     key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if cache is not None and key in cache:
         return {**cache[key], "name": name}
-    rec: dict[str, Any] = {"name": name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    rec: FileRecord = {"name": name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     if st.st_size <= _SMALL_FILE:
         with open(path, "rb") as f:
             rec["sha256"] = _sha256(f.read())
@@ -159,7 +166,7 @@ class AdapterFingerprints:
         self._pinned: dict[int, tuple[str, str]] = {}
         self._files: FileRecords = {}
 
-    def check(self, lora: Any) -> tuple[str | None, str | None]:
+    def check(self, lora: LoRARequest) -> tuple[str | None, str | None]:
         path = os.fspath(lora.lora_path)
         local = _local_model_dir(path, None, None)
         try:
@@ -176,7 +183,7 @@ class AdapterFingerprints:
         return fp, None
 
 
-def weights_fingerprint(vllm_config: Any, declared: str) -> str:
+def weights_fingerprint(vllm_config: VllmConfig, declared: str) -> str:
     """``declared:<value>`` when the operator declared one; ``dummy:`` and the config files
     for vLLM's dummy weights (fixed seed); else ``directory_fingerprint`` of the local model
     directory (a Hugging Face id is looked up in the local cache). Weights that are not
@@ -241,7 +248,7 @@ def installed_runtime(site_packages: Path | None = None) -> str:
 
 # ------------------------------------------------------------------------ layout, config
 
-def _jsonable(value: Any, what: str) -> Any:
+def _jsonable(value: object, what: str) -> object:
     """``value`` as plain JSON data (dataclasses and pydantic models by their fields), or
     IdentityError naming the setting: never a repr, which differs between processes."""
     if isinstance(value, enum.Enum):
@@ -260,7 +267,7 @@ def _jsonable(value: Any, what: str) -> Any:
                             "lists, string-keyed dicts)") from None
 
 
-def _long_rope(mc: Any) -> bool | None:
+def _long_rope(mc: ModelConfig) -> bool | None:
     """Whether LongRoPE models use their long factors, which vLLM decides for every
     position by max_model_len (``phi3_long_rope_scaled_rope.py``); None for other models."""
     cfg = mc.hf_text_config
@@ -272,7 +279,7 @@ def _long_rope(mc: Any) -> bool | None:
     return original is not None and mc.max_model_len > original
 
 
-def describe_model_config(vllm_config: Any) -> str:
+def describe_model_config(vllm_config: VllmConfig) -> str:
     """Every model setting that changes KV bytes beside the weight files, as one hash:
     quantization (method and online config), ``hf_overrides``, model implementation and
     class overrides, config source and code revision, load format and loader config, KV-cache
@@ -302,7 +309,7 @@ def describe_model_config(vllm_config: Any) -> str:
     return "sha256:" + _sha256(text.encode())
 
 
-def describe_parallel(vllm_config: Any, ranks: dict[str, int]) -> str:
+def describe_parallel(vllm_config: VllmConfig, ranks: dict[str, int]) -> str:
     """The parallel settings that decide which heads, layers and tokens a rank holds, and
     this rank's place in each group (``ranks``: pp_rank, pcp_rank)."""
     pc = vllm_config.parallel_config
@@ -313,7 +320,7 @@ def describe_parallel(vllm_config: Any, ranks: dict[str, int]) -> str:
     return _canonical({**sizes, **ranks})
 
 
-def make_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, *,
+def make_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_rank: int, *,
                   ranks: dict[str, int] | None = None, declared_weights: str = "") -> tuple[Identity, KVLayout]:
     mc = vllm_config.model_config
     layout = describe_kv_layout(kv_cache_config)
@@ -328,7 +335,7 @@ def make_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, *,
     return identity, layout
 
 
-def shard_identities(vllm_config: Any, identity: Identity) -> tuple[Identity, ...]:
+def shard_identities(vllm_config: VllmConfig, identity: Identity) -> tuple[Identity, ...]:
     """The identity of every rank's shard of one entry, rank 0's (``identity``, as the
     scheduler makes it) first: one per tensor-parallel rank, as each worker makes its own
     (``make_identity`` with its rank). Other parallel layouts are refused at startup

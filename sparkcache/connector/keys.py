@@ -26,15 +26,19 @@ import array
 import hashlib
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:  # vLLM's types, for readers and type checkers; never imported at run time here
+    from vllm.v1.request import Request
 
 KEY_SCHEME = "sparkcache-block-key-v2"
 _UINT32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 
-ExtraKeys = Callable[[int, int], Any]  # (start token, end token) of a block -> its extra keys
+# (start token, end token) of a block -> its extra keys (values ``canonical`` encodes), or None
+ExtraKeys = Callable[[int, int], tuple[object, ...] | None]
 
 
-def canonical(value: Any) -> bytes:
+def canonical(value: object) -> bytes:
     """An unambiguous byte encoding of an extra key: None, bool, int, str (a path as its
     text), bytes and tuples/lists of them; anything else is a TypeError (never a guess)."""
     if isinstance(value, os.PathLike):
@@ -84,7 +88,7 @@ class BlockKeys:
         return self.keys[:n_blocks]
 
 
-def request_extra_keys(request: Any, adapter_fingerprint: str | None) -> ExtraKeys | None:
+def request_extra_keys(request: Request, adapter_fingerprint: str | None) -> ExtraKeys | None:
     """The extra keys of ``request``'s blocks (a vLLM ``Request``; ``adapter_fingerprint``
     of its LoRA adapter, if any), or None for a request whose blocks have none. Blocks are
     asked for in order, as ``BlockKeys`` does."""
@@ -96,7 +100,7 @@ def request_extra_keys(request: Any, adapter_fingerprint: str | None) -> ExtraKe
     lora_files = (("lora_files", adapter_fingerprint),) if request.lora_request else ()
     mm_index = 0
 
-    def extra(start: int, end: int) -> tuple | None:
+    def extra(start: int, end: int) -> tuple[object, ...] | None:
         nonlocal mm_index
         keys, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
         keys = tuple(keys or ()) + (lora_files if start == 0 else ())

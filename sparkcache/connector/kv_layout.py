@@ -20,7 +20,10 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM's types, for readers and type checkers; never imported at run time here
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 class LayoutKind(enum.Enum):
@@ -50,7 +53,7 @@ def _conv_state_layout() -> str:
     return str(get_conv_state_layout())
 
 
-def describe_kv_layout(kv_cache_config: Any) -> KVLayout:
+def describe_kv_layout(kv_cache_config: KVCacheConfig) -> KVLayout:
     groups = []
     pages: list[int] = []
     states: list[int] = []

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from sparkcache.store.identity import entry_id_for
 from sparkcache.store.manifests import PageRef, pages_needed
@@ -50,7 +50,7 @@ from sparkcache.store.units import incomplete_units
 
 if TYPE_CHECKING:  # for readers and type checkers; never imported at run time here
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -279,7 +279,7 @@ class SchedulerSide:
             st.last_found = handle
         return offered, offered > 0 and not self.sync_loads
 
-    def _stored_depth(self, keys: list[str], with_state: bool = False) -> tuple[int, Any]:
+    def _stored_depth(self, keys: list[str], with_state: bool = False) -> tuple[int, EntryHandle | None]:
         """How many leading blocks of ``keys`` every rank's shard holds (``with_state``: the
         deepest depth at which every rank's entry ends with its recurrent state), and rank
         0's entry handle there. One rank's shard missing or shallower lowers the depth for
@@ -353,7 +353,7 @@ class SchedulerSide:
         self.loads_to_send, self.captures_to_send = [], []
         return loads, captures
 
-    def _plan_state_captures(self, block_state: Any) -> None:
+    def _plan_state_captures(self, block_state: KVConnectorBlockState | None) -> None:
         """Capture plans for this step's boundary-state offers (module docstring)."""
         if self.mode not in CAPTURING_MODES or self.store is None:
             return
@@ -378,7 +378,7 @@ class SchedulerSide:
                 if plan is not None:
                     self._send_capture(plan)
 
-    def _state_capture_plan(self, st: _ReqState, block_state: Any, n_blocks: int,
+    def _state_capture_plan(self, st: _ReqState, block_state: KVConnectorBlockState, n_blocks: int,
                             state_ids: list[int]) -> CapturePlan | None:
         if n_blocks * self.block_size < self.settings.min_span_tokens or not self._usable(st):
             return None
@@ -404,7 +404,7 @@ class SchedulerSide:
             self.capture_ends.setdefault(plan.req_id, []).append(plan.keys[-1])
         self._capture_sent[plan.req_id] = time.monotonic()
 
-    def _admitted(self, req_id: str, num_computed: int, out: Any, resumed: bool) -> None:
+    def _admitted(self, req_id: str, num_computed: int, out: SchedulerOutput, resumed: bool) -> None:
         st = self.reqs.get(req_id)
         if st is None:
             return
@@ -418,7 +418,7 @@ class SchedulerSide:
         st.record.admit(num_computed, consumed, resumed=resumed)
         self._progress(st, num_computed, out)
 
-    def _progress(self, st: _ReqState, num_computed: int, out: Any) -> None:
+    def _progress(self, st: _ReqState, num_computed: int, out: SchedulerOutput) -> None:
         scheduled = out.num_scheduled_tokens.get(st.request.request_id, 0)
         if scheduled and num_computed + scheduled >= st.record.prompt_tokens:
             st.record.mark_prefill_done()
@@ -520,7 +520,7 @@ class SchedulerSide:
         (maintenance holds its lock, a reader pins it) is retried every ``LONE_RETRY_S``
         while ``has_pending_push_work`` keeps vLLM stepping, for up to ``UNIT_GRACE_S``;
         after that the next reconciliation finds it."""
-        by_store: dict[Any, list[tuple[int, str]]] = {}
+        by_store: dict[PageStore, list[tuple[int, str]]] = {}
         for shard in shards:
             by_store.setdefault(self.stores[shard[0]], []).append(shard)
         until = time.monotonic() + UNIT_GRACE_S

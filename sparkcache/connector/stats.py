@@ -14,10 +14,15 @@ name emitted and exported nowhere fails where it is emitted.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
                                                                   KVConnectorStats)
+
+if TYPE_CHECKING:  # for readers and type checkers
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 from sparkcache.metrics import (COUNTERS, GAUGES, HISTOGRAMS, make_metric, require_counter,
                                require_gauge, require_histogram)
@@ -85,22 +90,26 @@ class SparkcacheStats(KVConnectorStats):
 
 
 class SparkcachePromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    """The ``vllm:sparkcache_*`` metrics on vLLM's registry (``build_prom_metrics``), made by the
+    classes vLLM hands in ``metric_types``: prometheus_client's, or stand-ins with their methods
+    (Ray's), so the children are annotated as prometheus_client's."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, dict[str, Any]]] = {}
+        self._counters: dict[str, dict[int, dict[str, Counter]]] = {}
         for decl in COUNTERS:
             metric = make_metric(decl, self._counter_cls, labelnames)
             self._counters[decl.name] = {
                 idx: {key: metric.labels(*values, *([lv] if decl.label else [])) for key, lv in decl.keys}
                 for idx, values in per_engine_labelvalues.items()}
-        self._histograms: dict[str, dict[int, Any]] = {}
+        self._histograms: dict[str, dict[int, Histogram]] = {}
         for decl in HISTOGRAMS:
             metric = make_metric(decl, self._histogram_cls, labelnames)
             self._histograms[decl.key] = {idx: metric.labels(*values)
                                           for idx, values in per_engine_labelvalues.items()}
-        self._engine_gauges: dict[str, dict[int, Any]] = {}
-        self._rank_gauges: dict[str, Any] = {}
+        self._engine_gauges: dict[str, dict[int, Gauge]] = {}
+        self._rank_gauges: dict[str, Gauge] = {}
         self._engine_values = per_engine_labelvalues
         for decl in GAUGES:
             metric = make_metric(decl, self._gauge_cls, labelnames)
@@ -111,6 +120,7 @@ class SparkcachePromMetrics(KVConnectorPromMetrics):
                                                  for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        # typed as in vLLM's signature: ``SparkcacheStats.data``, plain dicts across processes
         counters = transfer_stats_data.get("counters") or {}
         for per_engine in self._counters.values():
             for key, child in per_engine.get(engine_idx, {}).items():

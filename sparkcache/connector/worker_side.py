@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sparkcache.metrics import store_gauges
 from sparkcache.store import cpus
@@ -63,7 +63,7 @@ logger = logging.getLogger("sparkcache.connector")
 @dataclass
 class _PublishJob:
     keys: list[str]
-    pages: list[Any]
+    pages: list[bytes | None]  # None: a page a stored entry holds (``CapturePlan.reuse_pages``)
     state: bytes | None = None
 
 
@@ -88,7 +88,7 @@ class WorkerSide:
         self.bpp = settings.page_blocks
         self.layout = layout
         self.group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
-        self.after_forward: list[Any] = []  # hybrid capture plans, copied in wait_for_save
+        self.after_forward: list[CapturePlan] = []  # hybrid capture plans, copied in wait_for_save
         self.kv: dict[str, torch.Tensor] = {}  # uint8 views
         self.read_in_parallel = True  # see register_kv_caches
         self.finished_sending: set[str] = set()
@@ -103,7 +103,7 @@ class WorkerSide:
         self._settled: list[str] = []       # capture plans with a final outcome, not yet taken
         self._settled_reported: list[str] = []  # taken with the last stats, for the worker meta
         self._gauges_at = float("-inf")
-        self.slots = None
+        self.slots: CaptureSlots[_PublishJob, str] | None = None  # tagged by request id
         self._slot_stats_taken = CaptureSlotStats()  # the slots' counts at the last take_stats
         self.maintenance: WorkerMaintenance | None = None
         if store is not None and settings.access_mode in ("read-write", "store-only"):
@@ -354,7 +354,7 @@ class WorkerSide:
             for g, name in layers:
                 idx = torch.tensor(plan.block_ids[g], dtype=torch.long, device=self.kv[name].device)
                 gathered[name] = self.kv[name].index_select(0, idx).cpu()
-            pages: list[Any] = [None] * plan.reuse_pages
+            pages: list[bytes | None] = [None] * plan.reuse_pages
             for p in range(plan.reuse_pages, pages_needed(n, self.bpp)):
                 lo, hi = p * self.bpp - first, min((p + 1) * self.bpp, n) - first
                 pages.append(b"".join(gathered[name][lo:hi].contiguous().numpy().tobytes()

@@ -45,13 +45,14 @@ class Identity:
             if f.type in ("str", str) and not isinstance(getattr(self, f.name), str):
                 raise ValueError(f"Identity.{f.name}={getattr(self, f.name)!r}: must be a str")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str | int]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Identity":
-        """The identity a manifest records; ValueError for one of another sparkcache version
-        (a field missing or unknown): its entries are not ours to read."""
+        """The identity a manifest records (decoded JSON: ``__post_init__`` checks each value's
+        type); ValueError for one of another sparkcache version (a field missing or unknown):
+        its entries are not ours to read."""
         names = {f.name for f in dataclasses.fields(cls)}
         if set(data) != names:
             raise ValueError(f"identity fields {sorted(data)} are not this sparkcache's "

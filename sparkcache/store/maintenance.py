@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import cpus
 from .layout import UnsafePathError
@@ -43,8 +43,10 @@ from .pacing import PassClock, runqueue_wait_s
 from .units import shard_units
 
 if TYPE_CHECKING:
+    from ..settings import Settings
     from .catalog import Catalog
     from .collector import Collector
+    from .index import IndexedEntry
     from .pagestore import PageStore
 
 log = logging.getLogger("sparkcache.store")
@@ -57,7 +59,7 @@ class PassBudget:
     max_ms: float = 100.0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "PassBudget":
+    def from_settings(cls, settings: Settings) -> "PassBudget":
         return cls(settings.maintenance_max_entries, settings.maintenance_max_bytes,
                    settings.maintenance_max_ms)
 
@@ -174,10 +176,13 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
                         (runqueue_wait_s() - runq0) * 1e3)
 
 
+_Planned = tuple[str, int, bool, bool]  # (entry id, expected bytes freed, expired, joined)
+
+
 @dataclass
 class _Plan:
     protected: set[str]  # digests named by live publications
-    items: Any  # the ``_plan`` generator, past its first value
+    items: Iterator[_Planned]  # the ``_plan`` generator, past its first value (an int)
 
 
 def _locked_plan(store: PageStore, now: float) -> tuple[_Plan, int, int]:
@@ -244,8 +249,8 @@ def _drop_planned(collector: Collector, plan: _Plan, budget: PassBudget, clock: 
 _DROP_BATCH = 16  # manifests unlinked in parallel as one unit
 
 
-def _plan(store: PageStore, catalog: Catalog, by_age: list, pinned: set[str], draining: bool,
-          now: float):
+def _plan(store: PageStore, catalog: Catalog, by_age: list[IndexedEntry], pinned: set[str],
+          draining: bool, now: float) -> Iterator[int | _Planned]:
     """Generator over ``by_age`` (the entries, least recently used first): first yields the
     number of pinned entries skipped, then ``(entry_id, expected bytes freed, expired,
     joined)`` oldest first: TTL-expired entries, then least-recently-used ones until the
@@ -263,7 +268,7 @@ def _plan(store: PageStore, catalog: Catalog, by_age: list, pinned: set[str], dr
         projected = catalog.used_bytes - catalog.deferred_bytes()  # deferred objects go anyway
     planned: set[str] = set()
 
-    def drop(e: Any, expired: bool):
+    def drop(e: IndexedEntry, expired: bool) -> Iterator[_Planned]:
         nonlocal projected
         for joined, shard in enumerate([e, *(s for s in units[e.entry_id] if s is not e)]):
             if shard.entry_id in planned:
@@ -293,7 +298,7 @@ def _plan(store: PageStore, catalog: Catalog, by_age: list, pinned: set[str], dr
             yield from drop(e, False)
 
 
-def _forget_if_removed(catalog: Catalog, entry: Any, dropping: dict[str, int]) -> None:
+def _forget_if_removed(catalog: Catalog, entry: IndexedEntry, dropping: dict[str, int]) -> None:
     """The consumer really evicted ``entry``: its references are gone from the catalog's
     refcounts, so they must not be subtracted a second time."""
     if catalog.entry(entry.entry_id) is None:

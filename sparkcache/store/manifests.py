@@ -153,6 +153,7 @@ def _is_count(value: object) -> bool:
 
 def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
                  expected_identity_digest: str | None) -> Manifest:
+    """``raw``: the decoded JSON body, whose values are of any type until checked here."""
     if raw.get("format") != FORMAT:
         raise ManifestError(Reason.CORRUPT, f"format {raw.get('format')!r}, this sparkcache reads format "
                             f"{FORMAT} (pages named by BLAKE3): delete the manifest or start a new "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 from .catalog import Catalog
 from .collector import Collector
@@ -35,7 +35,7 @@ from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
 from .verify import VerifyReport, verify_store
-from ..settings import format_bytes
+from ..settings import Settings, format_bytes
 
 
 class PageStore:
@@ -71,7 +71,7 @@ class PageStore:
                 self.catalog.refresh(force=True)
 
     @classmethod
-    def from_settings(cls, settings: Any, *, read_only: bool = False) -> "PageStore":
+    def from_settings(cls, settings: Settings, *, read_only: bool = False) -> "PageStore":
         return cls(settings.root, namespace=settings.namespace, max_bytes=settings.max_bytes,
                    low_watermark_bytes=settings.low_watermark_bytes,
                    lease_seconds=settings.lease_seconds, ttl_seconds=settings.ttl_seconds,
@@ -174,7 +174,7 @@ class PageStore:
         return result
 
     def _resolve_missing_pages(self, idd: str, keys: list[str], bpp: int,
-                               pages: Sequence[Any]) -> dict[int, PageRef]:
+                               pages: Sequence[bytes | memoryview | None]) -> dict[int, PageRef]:
         wanted = [i for i, p in enumerate(pages) if p is None]
         if not wanted:
             return {}

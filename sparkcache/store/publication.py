@@ -18,7 +18,7 @@ recovery and maintenance collect); after 4 the entry is complete.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from .layout import parallel_imap, start_writeback, sync_all, wait_writeback, write_all
 from .locks import PUBLISH_WAIT_S, shared_lock
@@ -49,7 +49,7 @@ class PublicationWriter:
         self._open: list[tuple[int, str, str]] = []  # (fd, digest, temp path)
         self._in_flight: list[tuple[int, int]] = []  # (fd, bytes) with write-back started
 
-    def write_pages(self, pages: Sequence[Any], reused: dict[int, PageRef]) -> list[PageRef]:
+    def write_pages(self, pages: Sequence[bytes | memoryview | None], reused: dict[int, PageRef]) -> list[PageRef]:
         """Hash and write ``pages`` (None: the ``reused`` ref at that index). Returns the
         manifest's page refs in order. The last sync round is left for ``commit``."""
         self._declare_reused(list(reused.values()))
@@ -110,7 +110,7 @@ class PublicationWriter:
             self.staging.declare((digest,))
             return not self.store.objects.exists_with_size(digest, size)
 
-    def _write_temp(self, digest: str, page: Any) -> None:
+    def _write_temp(self, digest: str, page: bytes | memoryview) -> None:
         tmp = self.staging.temp_path(digest)
         fd = self.store.layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self._open.append((fd, digest, tmp))
