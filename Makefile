@@ -27,7 +27,7 @@ sdist: venv
 test: venv sdist docker-setup
 	$(VENV)/bin/python -m tests.lanes $(PYTEST_ARGS)
 
-# Upstream's full tests/v1/core and tests/v1/kv_connector/unit on both trees (slow: ~1 h on 2 cores).
+# Upstream's full tests/v1/core and tests/v1/kv_connector/unit on both trees (slow: docs/RUNTIME_CONTRACT.md has its time).
 test-upstream-full: venv sdist
 	$(VENV)/bin/python -m tests.upstream --full
 

@@ -79,9 +79,9 @@ def parser() -> argparse.ArgumentParser:
     a("--decode-s-per-token", type=float, default=0.02, help="decode seconds per real output token")
     a("--kv-bytes-per-token", type=int, default=48 << 10, help="modelled KV bytes per real token (rank-local)")
     a("--restore-bytes-per-s", type=float, default=540e6,
-      help="verified store read rate (bench.store_throughput median on the dev box: 542 MB/s)")
+      help="verified store read rate (default: bench.store_throughput's median on the dev box, docs/RESULTS.md)")
     a("--capture-bytes-per-s", type=float, default=440e6,
-      help="store publish rate (bench.store_throughput median on the dev box: 441 MB/s)")
+      help="store publish rate (default: bench.store_throughput's median on the dev box, docs/RESULTS.md)")
     a("--jobs", type=int, default=2, help="arms run in parallel")
     return p
 
@@ -101,8 +101,8 @@ def expected_peak_contexts(cfg: dict) -> int:
     stall every decode; the time left goes to turns of (mean gap + decode of the reply and
     reasoning + recompute of the turn's growth) each. Each agent grows by its share of those
     turns (plus its images), at most to --new-conversation-after. Contention between agents and
-    restores are not in it; against the measured peak (the read-write arm's summed contexts) it
-    came out 1-2% high on every shape in docs/RESULTS.md.
+    restores are not in it; how it compares with the read-write arm's peak summed contexts is in
+    docs/RESULTS.md ("Pool sizing rule").
     """
     scale = cfg["token_scale"]
     start = sum(starting_contexts(cfg))

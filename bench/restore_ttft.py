@@ -35,7 +35,7 @@ request, the same prompt is sent again: a local prefix-cache hit on the same 2,0
 the same last tokens to compute, with no connector load. Its TTFT (``local_ttft_s``) is that
 life's price of the rest of the request, so ``ttft_s - local_ttft_s`` is what the restore
 itself added (``restore_overhead_s``), free of how fast that engine life happens to compute
-(lives of one arm differ by 10-20% on this shared machine, more than the two restores do).
+(on a shared machine lives of one arm differ by more than the two restores do; docs/RESULTS.md).
 Several prompts per life give each arm ``--reps`` x ``--prompts`` samples for the cost of
 ``--reps`` engine starts;
 the JSON also keeps the median of the first request after each restart apart. The run fails
@@ -65,7 +65,7 @@ block size of this model to 576 tokens (``hybrid_shape``), so a prompt of 4 bloc
 tokens (``--prompt-tokens 2324``) restores 2,304 tokens and computes 20, as the Llama runs do.
 Medians over ``--reps`` fresh restarts x ``--prompts`` requests per arm; the timed lives interleave the arms (a round
 of one life per arm, ``--reps`` times), so drift of a shared machine hits every arm alike. The recompute arm,
-20x slower than either restore, has a timed life in the first ``--recompute-reps`` rounds only.
+far slower than either restore, has a timed life in the first ``--recompute-reps`` rounds only.
 """
 
 from __future__ import annotations

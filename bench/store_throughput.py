@@ -14,8 +14,8 @@ per byte.
 raw write: one file, sequential writes of at most 1 MiB each (the store's own write size,
 see ``layout.write_all``), one fsync at the end (like ``dd bs=1M conv=fsync``).
 Each raw pass runs twice, right before and right after the store's passes it is compared
-with (raw, store, raw), and the store is compared with their mean: this machine's disk
-drifts by up to 2x between consecutive seconds, and a drift that is linear over the triple
+with (raw, store, raw), and the store is compared with their mean: a virtual disk's rate can
+drift from one second to the next (docs/RESULTS.md), and a drift that is linear over the triple
 cancels out. Both raw passes are in the JSON. Before every timed pass the bench syncs and
 then idles ``--settle`` seconds: this VM's disk is a file on the host, and the host is still
 writing back (or discarding) the previous pass's gigabyte for a while after our fsync returns;

@@ -15,8 +15,8 @@ with it on, a prompt without an adapter runs on the base model. ``"load_failure_
 sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`` (e.g.
 ``"align"``) is passed to vLLM for hybrid models; ``"logprobs": true`` reports each output
 token's logprob; ``"enforce_eager": true`` runs without torch.compile (the host tests' engine lives
-do: compiling cost a tiny-model CPU life ~20 s of its ~49 s; the image's contract and ``vllm
-serve`` in the serve tests run compiled, as operators do); ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
+do: compiling is slow on a CPU and changes nothing the connector does; docs/RESULTS.md,
+"Measurements behind the code"; the image's contract and ``vllm serve`` in the serve tests run compiled, as operators do); ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
 process each (on CPU give each its core: ``VLLM_CPU_OMP_THREADS_BIND``, and keep gloo on
 loopback: ``GLOO_SOCKET_IFNAME=lo``, ``VLLM_HOST_IP=127.0.0.1``); ``"chain": true`` makes a conversation: each prompt after the first is the
 previous prompt, its output and then its own ids; ``"check_units": {"root": R, "ranks": N}``
@@ -24,12 +24,12 @@ previous prompt, its output and then its own ids; ``"check_units": {"root": R, "
 request that the stores hold no entry with only some of the N tensor-parallel ranks' shards,
 once its publications settled (quiet for 2 s; the deadline, ``"deadline_s"``, default 120 s,
 only guards against a hang: on a disk that other writers keep busy a publication's three sync
-rounds alone took over 30 s; keep requests x deadline under the life's timeout); per result: ``incomplete_units``,
+rounds alone can outlast a short bound, docs/RESULTS.md; keep requests x deadline under the life's timeout); per result: ``incomplete_units``,
 ``units_quiet`` (false: the deadline passed first; then ``units_changes`` says what kept
 moving and what was there at the deadline) and ``units_settle_s``. ``"in_process": true`` runs
 vLLM's engine core, and with one rank its worker, in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one import of vLLM instead of three, a tiny-model life
-~20 s instead of ~58 s on this CPU); after every request the engine is then stepped as
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one import of vLLM instead of three; docs/RESULTS.md,
+"Measurements behind the code"); after every request the engine is then stepped as
 ``EngineCore.run_busy_loop`` steps it, while the scheduler has work (the connector's
 ``has_pending_push_work``), so captures settle and their stats arrive as in a served engine.
 

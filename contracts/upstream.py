@@ -36,8 +36,9 @@ CI_SUBSET = (
 )
 FULL = ("tests/v1/core", "tests/v1/kv_connector/unit")
 # What an image's contract suite runs by default: the tests of the functions the transforms change
-# (scheduler, single-type managers, Mamba align) and the connector lifecycle; a third of the CI
-# subset's time (upstream's prefix-caching and offloading-connector tests are most of it).
+# (scheduler, single-type managers, Mamba align) and the connector lifecycle; the CI subset without
+# upstream's prefix-caching and offloading-connector tests, which take most of its time
+# (docs/RESULTS.md, "Measurements behind the code").
 IMAGE_SUBSET = (
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_single_type_kv_cache_manager.py",

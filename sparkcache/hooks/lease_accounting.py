@@ -4,9 +4,9 @@ Upstream vLLM 0.32.0 lets a connector delay a finished request's free (``request
 returns True) until its ``finished_sending``, with no deadline: a lost report leaks the blocks
 and keeps the engine busy, a late one trips an assert, and usage metrics cannot tell held
 blocks from running ones. Align-mode Mamba also retires the prompt's recurrent checkpoint on
-the second decode step while the attention blocks stay held, so when they are freed it sits
-ahead of them in the LRU free queue and is evicted first (transforms/lease_accounting.py has
-the measurement).
+the first decode step (of the synchronous scheduler) while the attention blocks stay held, so
+when they are freed it sits ahead of them in the LRU free queue and is evicted first
+(tests/transforms/test_lease_accounting.py asserts the positions).
 
 With ``sparkcache_gpu_lease_seconds`` set, ``GpuLeases`` turns every delayed free into a lease
 that ends at ``finished_sending`` or at its deadline, re-references the request's retired but

@@ -33,9 +33,9 @@ def long_prompt(n: int = 2100, seed: int = 1) -> list[int]:
 def run_engine(cfg: dict, timeout: int = 500, env: dict | None = None) -> dict:
     """One engine life (start, generate, shut down) in a fresh process; returns its JSON.
     ``env``: added to the child's environment (its ``PYTHONPATH`` goes first). Unless ``cfg``
-    says otherwise, eager (torch.compile does not change what the connector does and costs a
-    tiny-model life ~20 s) and in one process (``"in_process"``: vLLM's engine core and worker
-    import vLLM once instead of three times, ~20 s a life instead of ~58 s). The image's
+    says otherwise, eager (torch.compile does not change what the connector does and is slow on
+    a CPU) and in one process (``"in_process"``: vLLM's engine core and worker import vLLM once
+    instead of three times; docs/RESULTS.md, "Measurements behind the code"). The image's
     contract, the ``vllm serve`` tests and the tensor-parallel lives run vLLM's own processes
     and busy loop, compiled in the first two, as operators do."""
     return run_in_fresh_process({"enforce_eager": True, "in_process": True, **cfg}, REPO, timeout, env=env)

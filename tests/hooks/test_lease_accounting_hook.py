@@ -29,7 +29,7 @@ def test_a_lease_holds_the_retired_checkpoint_and_frees_it_behind_the_attention_
     scheduler, leases, clock, request, mamba = _finished_with_delayed_free()
     pool = scheduler.kv_cache_manager.block_pool
     checkpoint = shape._cached(pool, request, shape.CHECKPOINT_TOKENS, shape.MAMBA_GROUP)
-    assert checkpoint is not None and checkpoint.ref_cnt == 0  # retired on the 2nd decode step: in the free queue
+    assert checkpoint is not None and checkpoint.ref_cnt == 0  # retired on the first decode step: in the free queue
     assert isinstance(mamba.sparkcache_retired, RetiredCheckpoints)
     mamba.sparkcache_retired.record("r", [checkpoint])  # what the transformed MambaManager records
     leases.start(request)
