@@ -8,17 +8,18 @@ from store_helpers import IDENT, conv_keys, conv_pages, open_store
 
 BPP = 4
 PUBLISHES = 40  # attempts per publisher (more while eviction has not run enough yet)
+MAX_PASSES = 500  # ... but not past this many maintenance passes: a store that never evicts fails
 READER_HITS = 20  # verified reads per reader, at least
 JOIN_S = 600  # a hang guard, not a speed target: every process stops on its own progress
 
 
-def _publisher(root, worker, convs, log_path, evicted, min_evicted):
+def _publisher(root, worker, convs, log_path, evicted, passes, min_evicted):
     rng = random.Random(worker)
     store = open_store(root, page_blocks=BPP)
     state = {c: 0 for c in convs}
     attempts = 0
     with open(log_path, "w") as log:
-        while attempts < PUBLISHES or evicted.value < min_evicted:
+        while attempts < PUBLISHES or (evicted.value < min_evicted and passes.value < MAX_PASSES):
             attempts += 1
             conv = rng.choice(convs)
             n = state[conv] + rng.randint(1, 5)
@@ -53,38 +54,41 @@ def _reader(root, worker, convs, out_path, publishers_done, use_lease):
         f.write(f"{hits} {bad} {pinned_failures}\n")
 
 
-def _maintainer(root, max_bytes, low, evicted, publishers_done):
+def _maintainer(root, max_bytes, low, evicted, passes, publishers_done):
     store = open_store(root, page_blocks=BPP, max_bytes=max_bytes, low_watermark_bytes=low)
     while not publishers_done.is_set():
         report = run_pass(store, PassBudget(max_entries=16, max_bytes=1 << 30, max_ms=50),
                           sweep_shards=32)
         with evicted.get_lock():
             evicted.value += report.entries_evicted
+        with passes.get_lock():
+            passes.value += 1
         publishers_done.wait(0.02)  # an idle gap between passes
 
 
 def _run(tmp_path, max_bytes, low, use_lease, min_evicted=0):
     """Publishers, readers and a maintainer on one root at once. Each publisher makes
-    PUBLISHES attempts, and goes on until the maintainer evicted ``min_evicted`` entries; the
+    PUBLISHES attempts, and goes on until the maintainer evicted ``min_evicted`` entries (or
+    ran MAX_PASSES passes); the
     maintainer runs until the publishers are done; each reader until then and until it read
     READER_HITS entries. Progress, not a duration: the same work on a fast or a slow machine."""
     root = str(tmp_path / "store")
     open_store(root, page_blocks=BPP)
     ctx = mp.get_context("fork")
-    evicted, publishers_done = ctx.Value("i", 0), ctx.Event()
+    evicted, passes, publishers_done = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
     publishers, others, logs, outs = [], [], [], []
     # conv 0 and 1 are published by two workers each (same bytes: dedup races)
     plans = {0: [0, 1, 2], 1: [1, 3], 2: [0, 4, 5], 3: [6, 7]}
     for w, convs in plans.items():
         logs.append(str(tmp_path / f"pub{w}.log"))
         publishers.append(ctx.Process(target=_publisher,
-                                      args=(root, w, convs, logs[-1], evicted, min_evicted)))
+                                      args=(root, w, convs, logs[-1], evicted, passes, min_evicted)))
     for w in range(3):
         outs.append(str(tmp_path / f"read{w}.out"))
         others.append(ctx.Process(target=_reader, args=(root, w, list(range(8)), outs[-1],
                                                         publishers_done, use_lease)))
     others.append(ctx.Process(target=_maintainer,
-                              args=(root, max_bytes, low, evicted, publishers_done)))
+                              args=(root, max_bytes, low, evicted, passes, publishers_done)))
     try:
         for p in publishers + others:
             p.start()
