@@ -193,12 +193,13 @@ class Collector:
             dirs = sorted(self.unsynced_dirs)
         if not dirs:
             return 0.0
-        t0 = time.monotonic()
+        now = clock.now if clock is not None else time.monotonic
+        t0 = now()
         work = lambda: sync_all(self._fsync_dir_if_safe, dirs, "maintenance")  # noqa: E731
         clock.run("fsync", work) if clock is not None else work()
         with self.lock:
             self.unsynced_dirs.difference_update(dirs)
-        return time.monotonic() - t0
+        return now() - t0
 
     def delete_deferred(self, protected: set[str], clock: PassClock | None = None,
                         only: set[str] | None = None) -> tuple[int, bool]:
@@ -234,9 +235,9 @@ class Collector:
         # Another process's manifest unlinks must be durable before their objects go.
         dirs = [self.layout.identity_dir(d) for d in self.layout.listdir(self.layout.manifests_dir)
                 if is_identity_digest(d)]
-        t0 = time.monotonic()
+        t0 = clock.now()
         clock.run("fsync", lambda: sync_all(self._fsync_dir_if_safe, dirs, "maintenance"))
-        fsync_s = time.monotonic() - t0
+        fsync_s = clock.now() - t0
         for _ in range(n_shards):
             if not clock.fits("shard"):
                 break

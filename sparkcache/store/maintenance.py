@@ -103,13 +103,14 @@ class PassReport:
 
 
 def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
-             now: float | None = None) -> PassReport:
+             now: float | None = None, timer: Callable[[], float] = time.monotonic) -> PassReport:
     """One budgeted pass (see the module docstring). Its ``duration_s`` is wall time from
     the call to the return, lock wait included; the pass plans to end by 80% of the budget
-    and starts a unit of work only when its running cost estimate still fits."""
+    and starts a unit of work only when its running cost estimate still fits. ``timer``
+    is the clock the pass paces itself by (monotonic seconds; a test may pass a fake one)."""
     started_wall = time.time() if now is None else now
     collector = store.collector
-    clock = PassClock(collector.unit_costs, budget.max_ms)
+    clock = PassClock(collector.unit_costs, budget.max_ms, now=timer)
     cpu0 = time.thread_time()
     runq0 = runqueue_wait_s()
     with collector.lock:  # the view's sums change under publication's and lookups' refreshes
@@ -119,9 +120,9 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     stopped_by = "done"
     try:
         with collector.exclusive(timeout_s=clock.lock_timeout()):
-            lock_wait_s = time.monotonic() - clock.start
+            lock_wait_s = clock.now() - clock.start
             plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, started_wall))
-            plan_s = time.monotonic() - clock.start - lock_wait_s
+            plan_s = clock.now() - clock.start - lock_wait_s
             protected = plan.protected
             # 1. finish what earlier passes left: fsync their manifest dirs, then delete their
             #    objects, each only when it is expected to fit
@@ -142,9 +143,9 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
                 expired_n += n_expired
                 reclaimed += freed
                 if pending:
-                    remaining = 1 + _count_rest(plan.items, clock.work_deadline)
+                    remaining = 1 + _count_rest(plan.items, clock)
             else:  # out of time on earlier work: the planned evictions are all still to do
-                remaining = _count_rest(plan.items, clock.work_deadline)
+                remaining = _count_rest(plan.items, clock)
             # 3. make the drops durable, then delete the objects they freed
             if collector.unsynced_dirs and clock.fits("fsync"):
                 fsync_s += collector.sync_dropped(clock)
@@ -167,7 +168,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     clock.finish()
     snapshot, deferred = collector.end_pass(store.max_bytes, store.low_watermark_bytes)
     used_after, entries_after = snapshot.used_bytes, snapshot.entries
-    return PassReport(started_wall, time.monotonic() - clock.start, budget.max_ms,
+    return PassReport(started_wall, clock.now() - clock.start, budget.max_ms,
                         evicted - expired_n, expired_n, reclaimed + orphan_bytes, orphans,
                         orphan_bytes, swept, skipped, remaining, deferred, stopped_by, used_before,
                         used_after, store.max_bytes, store.low_watermark_bytes, entries_after,
@@ -306,12 +307,12 @@ def _forget_if_removed(catalog: Catalog, entry: IndexedEntry, dropping: dict[str
             dropping[page.digest] -= 1
 
 
-def _count_rest(plan, until: float) -> int:
+def _count_rest(plan, clock: PassClock) -> int:
     """How many more entries the plan holds (counted while time allows, then estimated)."""
     count = 0
     for _ in plan:
         count += 1
-        if time.monotonic() >= until:
+        if clock.now() >= clock.work_deadline:
             return count + 1  # at least one more; an estimate, the next pass re-plans
     return count
 

@@ -47,9 +47,11 @@ class UnitCosts:
 class PassClock:
     """The deadline of one pass and the test "does one more unit of this kind fit?"."""
 
-    def __init__(self, costs: UnitCosts, budget_ms: float, *, start: float | None = None) -> None:
+    def __init__(self, costs: UnitCosts, budget_ms: float, *, start: float | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.costs = costs
-        self.start = time.monotonic() if start is None else start
+        self.now = now  # the pass's clock: monotonic seconds (a test may pass a fake one)
+        self.start = now() if start is None else start
         self.budget_s = budget_ms / 1000.0
         self.work_deadline = self.start + self.budget_s * WORK_FRACTION
         self.skipped: set[str] = set()
@@ -57,12 +59,12 @@ class PassClock:
         self.longest_unit_s = 0.0
 
     def lock_timeout(self) -> float:
-        return max(self.budget_s * LOCK_FRACTION - (time.monotonic() - self.start), 0.0)
+        return max(self.budget_s * LOCK_FRACTION - (self.now() - self.start), 0.0)
 
     def fits(self, kind: str, reserve: float = 0.0) -> bool:
         """Whether a unit of ``kind`` is expected to end before the work deadline, with
         ``reserve`` seconds left over for work that must follow it."""
-        if time.monotonic() + self.costs.estimate.get(kind, 0.0) + reserve <= self.work_deadline:
+        if self.now() + self.costs.estimate.get(kind, 0.0) + reserve <= self.work_deadline:
             return True
         self.skipped.add(kind)
         return False
@@ -70,11 +72,11 @@ class PassClock:
     def run(self, kind: str, fn: Callable[[], T]) -> T:
         """Run one unit and record its wall time (it counts, whatever it was spent on:
         disk, lock or CPU wait)."""
-        t0 = time.monotonic()
+        t0 = self.now()
         try:
             return fn()
         finally:
-            took = time.monotonic() - t0
+            took = self.now() - t0
             self.costs.record(kind, took)
             self.units += 1
             self.longest_unit_s = max(self.longest_unit_s, took)

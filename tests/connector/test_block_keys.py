@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkcache.connector.identity import AdapterFingerprints
-from sparkcache.connector.keys import KEY_SCHEME, BlockKeys, canonical, request_extra_keys
+from sparkcache.connector.keys import BlockKeys, canonical, request_extra_keys
 
 BS = 16
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,6 @@ def _reference(tokens: list[int], block_size: int) -> list[str]:
 
 
 def test_keys_follow_the_definition_and_extend_incrementally():
-    assert KEY_SCHEME == "sparkcache-block-key-v2"
     rng = random.Random(7)
     tokens = [rng.randrange(0, 2**32) for _ in range(32 * 9 + 5)]
     keys = BlockKeys(32)

@@ -61,7 +61,7 @@ def test_attribution_counters_leave_with_the_finishing_step(tmp_path):
 def test_a_lost_settle_report_stops_holding_the_engine(tmp_path):
     s = make_scheduler(str(tmp_path), hybrid=False)
     side = s.connector._sched
-    side.settle_timeout_s = 0.0
+    side.settle_timeout_s = -1.0  # every settle deadline is already past, however fast the steps
     s.add_request(request("c", _prompt(200, 3)))
     finish_all(s)
     assert not s.has_requests()  # deadline passed: warned, not waited for

@@ -73,8 +73,10 @@ def test_expired_pin_no_longer_protects(tmp_path):
     _fill(store, range(11))
     lease = store.lookup(IDENT, conv_keys(0, 16), lease=True)
     _age(store, 0, 1000)
-    time.sleep(1.1)
-    run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000))
+    # a pass 2 s later (its clock, not a sleep): past the 1 s lease, even counted from the
+    # pin file's ctime
+    run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000),
+             now=time.time() + 2)
     assert not store.lookup(IDENT, conv_keys(0, 16)).hit
     assert os.listdir(store.layout.pins_dir) == []  # the expired pin file was collected
     assert lease.lease_id
@@ -153,28 +155,49 @@ def test_orphans_are_collected_but_not_live_publications(tmp_path):
     assert verify_store(store.layout).ok and store.lookup(IDENT, conv_keys(1, 16)).hit
 
 
-def test_maintenance_thread_keeps_idle_gap_and_store_under_max(tmp_path):
+def test_maintenance_thread_keeps_idle_gap_and_store_under_max(tmp_path, monkeypatch):
+    """11 entries (88 KiB) over an 80 KiB max, 2 entries a pass: the thread drains to the
+    40 KiB low watermark in passes, each starting no sooner than ``interval`` after the
+    previous one ended. Waits on the thread's own reports, never on a deadline."""
+    import threading
+
+    from sparkcache.store import maintenance
+
     store = _small_store(tmp_path)
+    _fill(store, range(11))
+    assert store.capacity().over_max
     interval = 0.2
-    thread = MaintenanceThread(store, PassBudget(max_entries=2, max_bytes=1 << 30, max_ms=50),
-                               interval, sweep_every_s=3600).start()
+    spans = []  # (monotonic start, monotonic end) of each pass, as the thread runs them
+    real_pass = maintenance.run_pass
+
+    def timed_pass(*args, **kw):
+        start = time.monotonic()
+        report = real_pass(*args, **kw)
+        spans.append((start, time.monotonic()))
+        return report
+
+    monkeypatch.setattr(maintenance, "run_pass", timed_pass)
+    drained = threading.Event()
+
+    def on_report(report):
+        if not store.collector.draining and not store.capacity().over_max:
+            drained.set()
+
+    # no time limit on a pass (its pacing is test_pacing's): each stops on its entry budget
+    thread = MaintenanceThread(store, PassBudget(max_entries=2, max_bytes=1 << 30, max_ms=60000),
+                               interval, sweep_every_s=3600, on_report=on_report).start()
     try:
-        for conv in range(40):
-            store.publish(IDENT, conv_keys(conv, 16), conv_pages(conv, 16, 16))
-            time.sleep(0.01)
-        deadline = time.time() + 10
-        while time.time() < deadline and (store.collector.draining or store.capacity().over_max):
-            time.sleep(0.05)
+        assert drained.wait(120), "the maintenance thread did not drain the store"  # a hang guard
     finally:
         thread.stop()
     assert thread.error is None
     reports = list(thread.reports)
-    assert len(reports) >= 3
-    for prev, nxt in zip(reports, reports[1:]):
-        gap = nxt.started_at - (prev.started_at + prev.duration_s)
-        assert gap >= interval * 0.95, gap
-    assert any(r.stopped_by == "entries" and r.remaining_entries > 0 for r in reports)
-    assert store.capacity().used_bytes <= 80 * 1024
+    assert all(r.entries_evicted <= 2 for r in reports), reports
+    assert len(reports) >= 3  # 6 entries to evict, 2 a pass
+    assert any(r.stopped_by == "entries" and r.remaining_entries > 0 for r in reports), reports
+    assert store.capacity().used_bytes <= 40 * 1024
+    for (_, prev_end), (next_start, _) in zip(spans, spans[1:]):
+        assert next_start - prev_end >= interval, (prev_end, next_start)  # the idle gap
 
 
 def test_objects_of_a_dropped_entry_stay_counted_until_deleted(tmp_path):

@@ -4,13 +4,18 @@ After every kill: a fresh store (startup recovery) returns, for every prefix, ei
 complete verified entry or a miss; every entry that was complete before the trial began is
 still complete; ``verify`` passes. The child also runs orphan sweeps, so kills land inside
 maintenance too.
+
+Where a kill lands is chosen by the child's own progress, never by a clock: the child is
+SIGKILLed just before its k-th call that changes the disk (a write, fsync, rename, unlink,
+mkdir, a file created; k drawn per trial), so the same seed kills at the same points on a
+fast or a loaded machine. Only those calls change what recovery finds; a kill between two of
+them leaves the same files as a kill at the next one.
 """
 
 import os
 import random
 import select
 import signal
-import time
 
 from sparkcache.store import PassBudget, run_pass, verify_store
 from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
@@ -18,11 +23,41 @@ from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
 TRIALS = 220
 CONVS = 4
 BPP = 4
+KILL_WITHIN = 120  # calls that change the disk: a store opening plus about three publications
+HANG_S = 120  # a hang guard per trial (a child that never reaches its kill point), not a speed target
+
+_CHANGES_DISK = ("write", "pwrite", "fsync", "fdatasync", "rename", "replace", "link", "unlink",
+                 "rmdir", "mkdir", "utime", "ftruncate")
 
 
-def _child(root: str, state: dict, seed: int, wfd: int) -> None:
-    """Publish growing conversations forever; report each completed publication."""
+def _kill_at_call(k: int) -> None:
+    """In the child: SIGKILL this process just before its k-th call that changes the disk."""
+    left = [k]
+    kill = os.kill
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            left[0] -= 1
+            if left[0] <= 0:
+                kill(os.getpid(), signal.SIGKILL)
+            return fn(*args, **kwargs)
+        return call
+
+    def open_counted(path, flags, *args, **kwargs):
+        return (counted(real_open) if flags & os.O_CREAT else real_open)(path, flags, *args, **kwargs)
+
+    real_open = os.open
+    for name in _CHANGES_DISK:
+        if hasattr(os, name):
+            setattr(os, name, counted(getattr(os, name)))
+    os.open = open_counted
+
+
+def _child(root: str, state: dict, seed: int, kill_at: int, wfd: int) -> None:
+    """Publish growing conversations until killed; report each completed publication."""
     try:
+        report = os.write  # the reports to the parent are not store work: never counted
+        _kill_at_call(kill_at)
         rng = random.Random(seed)
         store = open_store(root, page_blocks=BPP)
         state = dict(state)
@@ -36,24 +71,23 @@ def _child(root: str, state: dict, seed: int, wfd: int) -> None:
             result = store.publish(IDENT, conv_keys(conv, new), pages)
             if result.ok:
                 state[conv] = new
-                os.write(wfd, f"{conv} {new}\n".encode())
+                report(wfd, f"{conv} {new}\n".encode())
             if rng.random() < 0.15:
                 run_pass(store, PassBudget(max_ms=1000), sweep_shards=64)
     finally:
         os._exit(0)
 
 
-def _wait_for_lines(fd: int, count: int, timeout_s: float = 60.0) -> bytes:
-    """What fd gave until count complete lines arrived."""
+def _read_until_exit(fd: int) -> bytes:
+    """Everything the child wrote before it died (EOF on the pipe)."""
     buf = b""
-    deadline = time.monotonic() + timeout_s
-    while (got := buf.count(b"\n")) < count:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        assert ready, f"the publishing child reported {got} of {count} publications in {timeout_s} s"
+    while True:
+        ready, _, _ = select.select([fd], [], [], HANG_S)
+        assert ready, f"the publishing child neither published nor died in {HANG_S} s"
         chunk = os.read(fd, 4096)
-        assert chunk, "the publishing child exited"
+        if not chunk:
+            return buf
         buf += chunk
-    return buf
 
 
 def _check_conversation(store, conv: int, complete: int) -> None:
@@ -79,22 +113,25 @@ def test_sigkill_publisher_at_random_points(tmp_path):
     rng = random.Random(2024)
     state = {c: 0 for c in range(CONVS)}
     kills_with_work = interrupted = 0
-    started = time.monotonic()
     for trial in range(TRIALS):
         rfd, wfd = os.pipe()
+        kill_at = rng.randrange(1, KILL_WITHIN + 1)
         pid = os.fork()
         if pid == 0:
             os.close(rfd)
-            _child(root, state, rng.randrange(1 << 30), wfd)
+            _child(root, state, rng.randrange(1 << 30), kill_at, wfd)
         os.close(wfd)
-        # Kill after the child reported 0-2 publications (its own progress, not the machine's
-        # speed), then at a random moment up to 20 ms into what it does next.
-        reported = _wait_for_lines(rfd, rng.randrange(3))
-        time.sleep(rng.uniform(0.0, 0.02))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        with os.fdopen(rfd, "rb") as pipe:
-            lines = (reported + pipe.read()).decode().split("\n")[:-1]  # a cut-off last line is not complete
+        try:
+            out = _read_until_exit(rfd)
+        except BaseException:
+            os.kill(pid, signal.SIGKILL)  # the hang guard tripped
+            raise
+        finally:
+            os.close(rfd)
+            _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+            f"the child ended (status {status}) before its kill point: an error in it")
+        lines = out.decode().split("\n")[:-1]
         before = dict(state)
         for line in lines:
             conv, n = map(int, line.split())
@@ -120,4 +157,3 @@ def test_sigkill_publisher_at_random_points(tmp_path):
     assert [n for n in os.listdir(os.path.join(root, "default", "staging"))] == []
     cli = run_cli("verify", "--root", root)
     assert cli.returncode == 0 and "orphans=0" in cli.stdout, cli.stdout
-    assert time.monotonic() - started < 120

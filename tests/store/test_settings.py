@@ -1,5 +1,8 @@
 """The settings table: parsing, precedence, and errors that name setting, value and range."""
 
+import re
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,12 +13,33 @@ from sparkcache.settings import (SETTINGS_TABLE, Settings, SettingsError, load_s
 ROOT = {"SPARKCACHE_ROOT": "/var/cache/sc"}
 
 
-def test_defaults_match_field_reports():
+def _documented_defaults() -> dict[str, str]:
+    """docs/SIZING.md's table of knobs: setting name (lower case) -> its default column.
+    ``SPARKCACHE_A_MAX_X / _MAX_Y`` rows share a stem; ``80% of ... (32GiB)`` states the
+    number in parentheses; ``0 (off)``, ``1.0 s`` and ``100 ms`` are numbers with a word."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "SIZING.md").read_text()
+    out = {}
+    for names, default in re.findall(r"^\| `(SPARKCACHE_[A-Z_ /]+)` \|.*\| ([^|]+) \|$", doc, re.M):
+        first, *more = [n.strip() for n in names.split("/")]
+        for name, value in zip([first] + [first.rsplit("_", n.count("_"))[0] + n for n in more],
+                               default.split(" / "), strict=True):
+            inner = re.search(r"\(([^)]*\d[^)]*)\)", value)
+            value = inner.group(1) if inner else re.sub(r"\(.*\)", "", value)
+            out[name.removeprefix("SPARKCACHE_").lower()] = re.sub(r" (s|ms)$", "", value.strip())
+    return out
+
+
+def test_the_defaults_docs_sizing_states_are_the_defaults():
+    """A default changed in the settings table but not in docs/SIZING.md (or the other way)
+    fails here."""
+    documented = _documented_defaults()
+    assert {"max_bytes", "low_watermark_bytes", "maintenance_max_ms"} <= set(documented), documented
     s = load_settings(env=ROOT)
     assert isinstance(s, Settings)
-    assert s.max_bytes == 40 << 30 and s.low_watermark_bytes == 32 << 30
-    assert s.lease_seconds == 300 and s.capture_slots == 2 and s.capture_slot_bytes == 3 << 30
-    assert s.access_mode == "read-write" and s.enabled
+    types = {row.name.lower(): row.type for row in SETTINGS_TABLE}
+    for name, text in documented.items():
+        value = parse_bytes(text) if types[name] == "bytes" else float(text)
+        assert getattr(s, name) == value, (name, text, getattr(s, name))
 
 
 @pytest.mark.parametrize("text,value", [
