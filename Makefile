@@ -23,7 +23,8 @@ $(STAMP): $(LOCK) pyproject.toml
 sdist: venv
 	$(VENV)/bin/python -m transforms fetch --dest $(SDIST_DIR)
 
-# Two pytest processes side by side (tests/lanes.py): the image lane (tests/image_build) and the rest.
+# Two pytest processes side by side (tests/lanes.py): the image lane (tests/image_build, upstream's
+# tests on the transformed tree, the restore engine lives) and the rest.
 test: venv sdist docker-setup
 	$(VENV)/bin/python -m tests.lanes $(PYTEST_ARGS)
 

@@ -57,7 +57,7 @@ def verify_parser() -> argparse.ArgumentParser:
     p.add_argument("--receipt", type=Path, help="the build receipt (default: .cache/receipts/*-HEX.json for the digest)")
     p.add_argument("--upstream", choices=("image", "ci", "full"), default="image",
                    help="which of upstream vLLM's tests the suite runs in the image: 'image' (default, the shortest: the tests "
-                        "of the functions the transforms change and the connector lifecycle), 'ci' (the host suite's subset), "
+                        "of the functions the transforms change and the connector lifecycle), 'ci' (the whole CI subset), "
                         "'full' (all of tests/v1/core and tests/v1/kv_connector/unit; slow, docs/RUNTIME_CONTRACT.md)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments for the suite (after --)")
     return p

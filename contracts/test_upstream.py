@@ -4,7 +4,7 @@ The builder bakes the sdist's tests/ (with an offline Hugging Face cache holding
 facebook/opt-125m's config.json) under /opt/sparkcache/upstream; the record is
 contracts/expected/upstream-outcomes.json, which the host suite keeps true. Scopes
 (SPARKCACHE_UPSTREAM_SCOPE, `python build.py verify REF --upstream SCOPE`): `image` (default: the
-tests of the functions the transforms change and the connector lifecycle), `ci` (the host's CI
+tests of the functions the transforms change and the connector lifecycle), `ci` (the whole CI
 subset), `full` (tests/v1/core and tests/v1/kv_connector/unit whole).
 """
 

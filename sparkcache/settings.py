@@ -385,8 +385,8 @@ def transform_option(extra_config: Mapping[str, object] | None, key: str) -> Set
     ``kv_connector_extra_config``, parsed by its row of the table exactly as ``load_settings``
     parses it; the row's default when the key is absent.
 
-    The code the scheduler transforms inject into vLLM calls this (importing this module only
-    when the key is present), so the transformed scheduler and the connector accept the same
+    The transforms' hooks (``sparkcache.hooks``, imported by the transformed vLLM only when
+    their key is present) call this, so the transformed scheduler and the connector accept the same
     values. A bad value raises ``SettingsError`` (a ``ValueError``) naming the key, the value
     and the accepted values. Other keys of the dict are not looked at."""
     row = _ROWS_BY_KEY.get(key)

@@ -7,9 +7,10 @@ whose outcome differs (its ``pristine_where_different`` is empty); failures on b
 environment-only and listed in docs/RUNTIME_CONTRACT.md. The image contract suite holds an
 image's tree to the same record.
 
-Here the transformed tree runs the part of the CI subset (scheduler, prefix caching, hybrid/Mamba,
-connector lifecycle) that the image's contract does not (``HOST_SUBSET``: in `make test` the image
-lane runs ``IMAGE_SUBSET`` in the image it built, on the same transformed bytes) and must give the
+Here the transformed tree runs the part of the CI subset that the image's contract does not
+(``HOST_SUBSET``: prefix caching, partial prefix hits, the offloading connector's scheduler; in
+`make test` the image lane runs ``IMAGE_SUBSET``, the scheduler, single-type manager, Mamba-align and
+connector-lifecycle tests, in the image it built, on the same transformed bytes) and must give the
 recorded outcome for every test. Only when it does not does the
 pristine tree run too, to say whether the transforms or the environment changed the outcome.
 """

@@ -119,17 +119,21 @@ def lock_info():
 def record_scenarios(lock) -> dict:
     """What the scheduler scenarios (testing/scenarios) give both ways on the host's transformed tree,
     as the image's contract suite compares them: ``python -m testing.scenarios record`` in its own
-    interpreter (the builder imports nothing of testing/), cached by the lock and the sources it runs."""
+    interpreter (the builder imports nothing of testing/), cached by the lock and the sources it runs:
+    testing/, the tree builder, and what the transformed scheduler imports when a scenario sets an
+    option (sparkcache/hooks, the settings table that parses the options)."""
     from transforms import trees
 
     sources = {p.relative_to(REPO_ROOT).as_posix(): layers.sha256_file(p)
-               for p in [*sorted((REPO_ROOT / "testing").rglob("*.py")), REPO_ROOT / "transforms" / "trees.py"]
+               for p in [*sorted((REPO_ROOT / "testing").rglob("*.py")), REPO_ROOT / "transforms" / "trees.py",
+                         *sorted((REPO_ROOT / "sparkcache" / "hooks").glob("*.py")),
+                         REPO_ROOT / "sparkcache" / "settings.py"]
                if layers.baked(p, REPO_ROOT)}
     key = layers.short_key({"lock": lock.sha256, "sources": sources})
     out = CACHE / "scenarios" / f"{key}.json"
     if out.exists():
         return json.loads(out.read_text())
-    progress("recording the scheduler scenarios (testing/scenarios) on the host's transformed tree (once per lock)")
+    progress("recording the scheduler scenarios (testing/scenarios) on the host's transformed tree (once per lock and sources)")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         tree = trees.build_transformed_tree(Path(tmp) / "site")

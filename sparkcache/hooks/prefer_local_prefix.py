@@ -4,8 +4,8 @@ vLLM 0.32.0 asks the KV connector only beyond the hybrid local hit (the depth ev
 group agrees on). On a hybrid full-attention + Mamba ("align") model whose recurrent group is
 shallow, a store holding the conversation then claims everything past that depth and vLLM
 reloads resident attention pages into fresh duplicate blocks; upstream's divergent-hit path
-recomputes when the store ends exactly at the local attention depth (a tie). The reasoning and
-the measurements are in transforms/prefer_local_prefix.py.
+recomputes when the store ends exactly at the local attention depth (a tie). The reasoning is in
+transforms/prefer_local_prefix.py; the cases, both trees, in tests/transforms/test_prefer_local_prefix.py.
 
 ``LocalPrefixFirst`` is what the transformed scheduler calls when the option is true:
 ``local_hit`` is the lookup at the full-attention depth, ``ask_connector`` replaces the

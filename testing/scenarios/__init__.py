@@ -69,7 +69,8 @@ def option_readings(configs: list[dict[str, Any]], read: Callable[[Any], Any], *
     ``{"error": str | None, "read": read(scheduler)}``; kwargs go to ``make_scheduler``.
 
     First a Scheduler without any of the options: on the transformed tree it must not import
-    sparkcache (the injected code imports ``sparkcache.settings`` only for a key that is present).
+    sparkcache (the call sites import ``sparkcache.hooks.*``, and they ``sparkcache.settings``,
+    only for a key that is present).
     """
     from testing.vllm_scheduler import make_scheduler, probe_connector
 
@@ -80,13 +81,16 @@ def option_readings(configs: list[dict[str, Any]], read: Callable[[Any], Any], *
             return {"error": str(exc), "read": None}
         return {"error": None, "read": read(scheduler)}
 
-    # Another scenario in this interpreter may have imported it already: take it out of
-    # sys.modules, so that only an import by this Scheduler puts it back.
-    earlier = sys.modules.pop("sparkcache.settings", None)
+    # Another scenario in this interpreter may have imported them already: take them out of
+    # sys.modules, so that only an import by this Scheduler puts one back.
+    watched = [m for m in sys.modules if m in ("sparkcache.settings", "sparkcache.hooks")
+               or m.startswith("sparkcache.hooks.")]
+    earlier = {m: sys.modules.pop(m) for m in watched}
     absent = reading({})
-    imported = "sparkcache.settings" in sys.modules
-    if earlier is not None and not imported:
-        sys.modules["sparkcache.settings"] = earlier
+    imported = any(m == "sparkcache.settings" or m == "sparkcache.hooks" or m.startswith("sparkcache.hooks.")
+                   for m in sys.modules)
+    if not imported:
+        sys.modules.update(earlier)
     return {
         "absent": absent,
         "sparkcache_imported_without_options": imported,
