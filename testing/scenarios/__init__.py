@@ -83,12 +83,12 @@ def option_readings(configs: list[dict[str, Any]], read: Callable[[Any], Any], *
 
     # Another scenario in this interpreter may have imported them already: take them out of
     # sys.modules, so that only an import by this Scheduler puts one back.
-    watched = [m for m in sys.modules if m in ("sparkcache.settings", "sparkcache.hooks")
-               or m.startswith("sparkcache.hooks.")]
-    earlier = {m: sys.modules.pop(m) for m in watched}
+    def watched(name: str) -> bool:
+        return name in ("sparkcache.settings", "sparkcache.hooks") or name.startswith("sparkcache.hooks.")
+
+    earlier = {m: sys.modules.pop(m) for m in [m for m in sys.modules if watched(m)]}
     absent = reading({})
-    imported = any(m == "sparkcache.settings" or m == "sparkcache.hooks" or m.startswith("sparkcache.hooks.")
-                   for m in sys.modules)
+    imported = any(watched(m) for m in sys.modules)
     if not imported:
         sys.modules.update(earlier)
     return {
