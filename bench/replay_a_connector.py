@@ -33,6 +33,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from testing.vllm_scheduler import lazy_attribute
+
 STANDIN_BYTES_PER_BLOCK = 64
 
 
@@ -116,13 +118,7 @@ def _resident_snapshot(scheduler, request, block_size: int) -> dict:
 CONTEXT: ReplayContext | None = None
 
 
-def __getattr__(name: str):
-    # Built lazily so that importing this module does not import vLLM.
-    if name == "ReplayConnector":
-        cls = _build()
-        globals()["ReplayConnector"] = cls
-        return cls
-    raise AttributeError(name)
+__getattr__ = lazy_attribute(globals(), "ReplayConnector", lambda: _build())
 
 
 def _build():

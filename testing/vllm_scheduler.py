@@ -301,13 +301,20 @@ def first_schedule_hit(scheduler, request, token_id: int = 7) -> dict:
 # --------------------------------------------------------------------------
 
 
-def __getattr__(name: str):
-    # Built lazily so that importing this module does not import vLLM.
-    if name == "ProbeConnector":
-        cls = _build_probe_connector()
-        globals()["ProbeConnector"] = cls
-        return cls
-    raise AttributeError(name)
+def lazy_attribute(namespace: dict[str, Any], name: str, build: Callable[[], object]) -> Callable[[str], object]:
+    """A module ``__getattr__`` (PEP 562) that builds ``name`` on first use and keeps it in
+    ``namespace``, so that importing the module does not import vLLM."""
+
+    def module_getattr(attr: str) -> object:
+        if attr != name:
+            raise AttributeError(attr)
+        value = namespace[name] = build()
+        return value
+
+    return module_getattr
+
+
+__getattr__ = lazy_attribute(globals(), "ProbeConnector", lambda: _build_probe_connector())
 
 
 @lru_cache(maxsize=1)

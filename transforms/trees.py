@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -68,13 +68,17 @@ class GpuLeases:
         self.seconds: float = transform_option(config.kv_connector_extra_config if config else None, KEY)
         self._scheduler = scheduler
         self._leases: dict[str, tuple[float, list[KVCacheBlock], int]] = {}
-        self.leased_blocks = 0  # SchedulerStats.num_leased_blocks (part of kv_cache_usage)
         self.expired = 0
         self.late_reports = 0
         self.now = time.monotonic  # the lease clock; a scenario may replace it
         for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
             if hasattr(manager, "sparkcache_retired"):
                 manager.sparkcache_retired = RetiredCheckpoints()
+
+    @property
+    def leased_blocks(self) -> int:
+        """Blocks the leases hold (SchedulerStats.num_leased_blocks; part of kv_cache_usage)."""
+        return sum(num_blocks for _, _, num_blocks in self._leases.values())
 
     def start(self, request: Request) -> None:
         """A connector delayed the finished request's free: lease its blocks and re-reference its
@@ -90,7 +94,6 @@ class GpuLeases:
                for block in blocks if not block.is_null}
         num_blocks = len(checkpoints) + len(own)
         self._leases[request.request_id] = (self.now() + self.seconds, checkpoints, num_blocks)
-        self.leased_blocks += num_blocks
 
     def end(self, request: Request) -> None:
         """After the request's own blocks were freed: free its checkpoints, so they sit behind
@@ -98,8 +101,7 @@ class GpuLeases:
         lease = self._leases.pop(request.request_id, None)
         if lease is None:
             return
-        _, checkpoints, num_blocks = lease
-        self.leased_blocks -= num_blocks
+        _, checkpoints, _ = lease
         if not checkpoints:
             return
         scheduler = self._scheduler
