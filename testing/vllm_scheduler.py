@@ -52,7 +52,7 @@ def tiny_model_config_dir() -> str:
 
 def probe_connector(extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``kv_transfer`` for :class:`ProbeConnector` (its keys: ``probe_delay_free``, ``probe_divergent``,
-    and any transform option)."""
+    ``probe_async_load``, and any transform option)."""
     return {
         "kv_connector": "ProbeConnector",
         "kv_connector_module_path": "testing.vllm_scheduler",
@@ -355,6 +355,8 @@ def _build_probe_connector():
           probe_delay_free (bool): hold a finished request's blocks until the
             caller reports finished_sending (as an asynchronous capture does).
           probe_divergent (bool): supports_divergent_local_hybrid_hits.
+          probe_async_load (bool): loads are asynchronous (the request waits in
+            WAITING_FOR_REMOTE_KVS until the caller reports finished_recving).
         """
 
         def __init__(self, vllm_config, role, kv_cache_config=None):
@@ -362,6 +364,7 @@ def _build_probe_connector():
             extra = self._kv_transfer_config.kv_connector_extra_config or {}
             self.delay_free = bool(extra.get("probe_delay_free", False))
             self.divergent = bool(extra.get("probe_divergent", False))
+            self.async_load = bool(extra.get("probe_async_load", False))
             self.stored: list[tuple[int, ...]] = []
             self.block_size = vllm_config.cache_config.block_size
             self.queries: list[tuple[str, int, int]] = []  # (request id, local tokens, answered)
@@ -390,7 +393,7 @@ def _build_probe_connector():
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             ext = max(0, self.stored_prefix_tokens(request) - num_computed_tokens)
             self.queries.append((request.request_id, num_computed_tokens, ext))
-            return ext, False
+            return ext, self.async_load and ext > 0
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             pass

@@ -76,16 +76,15 @@ if self.sparkcache_leases is not None:
     self.sparkcache_leases.sweep()
 """,
     ),
-    # Every delayed free a connector asks for becomes a lease.
+    # Every free the KV connector delays becomes a lease, except while an asynchronous load may
+    # still write the blocks (``delay_free_blocks`` from ``finish_requests``): those stay held
+    # until finished_recving, as upstream holds them. Read before an EC connector's delay joins in.
     Edit(
         function="Scheduler._free_request",
         mode="insert_after",
-        anchor="""
-if not delay_free_blocks:
-    self._free_blocks(request)
-""",
+        anchor="connector_delay_free_blocks, kv_xfer_params = self._connector_finished(request)",
         new="""
-if connector_delay_free_blocks and self.sparkcache_leases is not None:
+if connector_delay_free_blocks and not delay_free_blocks and self.sparkcache_leases is not None:
     self.sparkcache_leases.start(request)
 """,
     ),

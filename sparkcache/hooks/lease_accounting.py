@@ -8,10 +8,12 @@ the first decode step (of the synchronous scheduler) while the attention blocks 
 when they are freed it sits ahead of them in the LRU free queue and is evicted first
 (tests/transforms/test_lease_accounting.py asserts the positions).
 
-With ``sparkcache_gpu_lease_seconds`` set, ``GpuLeases`` turns every delayed free into a lease
-that ends at ``finished_sending`` or at its deadline, re-references the request's retired but
-still cached checkpoints (``RetiredCheckpoints``, one per Mamba manager) and frees them after
-the request's own blocks.
+With ``sparkcache_gpu_lease_seconds`` set, ``GpuLeases`` turns every free the KV connector
+delays into a lease that ends at ``finished_sending`` or at its deadline, re-references the
+request's retired but still cached checkpoints (``RetiredCheckpoints``, one per Mamba manager)
+and frees them after the request's own blocks. A request aborted while its asynchronous load is
+in flight is never leased: the worker may write its blocks until ``finished_recving``, so they
+stay held until then, as upstream holds them.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class GpuLeases:
         return sum(num_blocks for _, _, num_blocks in self._leases.values())
 
     def start(self, request: Request) -> None:
-        """A connector delayed the finished request's free: lease its blocks and re-reference its
+        """The KV connector delayed the finished request's free (no load in flight): lease its blocks and re-reference its
         retired checkpoints (ref_cnt += 1 takes one out of the free queue)."""
         manager = self._scheduler.kv_cache_manager
         checkpoints: list[KVCacheBlock] = []

@@ -16,6 +16,12 @@ Three parts, each on a fresh scheduler with the ProbeConnector delaying frees
 3. late report: finished_sending for a request whose blocks were already
    released (after the expiry with leases on; after the one release upstream
    allows with leases off).
+4. aborted during a load: the store holds the prompt's first 64 tokens and the
+   load is asynchronous (``probe_async_load``); the request is aborted while it
+   waits for the load, the clock passes a lease's deadline, then the worker
+   reports finished_recving. The blocks the load writes must stay allocated
+   until that report: freed earlier, another request could be given them while
+   the load still writes into them.
 
 The lease clock is ``scheduler.sparkcache_leases.now``
 (sparkcache.hooks.lease_accounting.GpuLeases); the scenario replaces it with a
@@ -46,8 +52,8 @@ class _Clock:
         return self.now
 
 
-def _scheduler(options_on: bool):
-    extra = {"probe_delay_free": True}
+def _scheduler(options_on: bool, **probe):
+    extra = {"probe_delay_free": True, **probe}
     if options_on:
         extra[LEASE_KEY] = LEASE_SECONDS
     scheduler = h.make_scheduler(h.probe_connector(extra), num_blocks=NUM_BLOCKS)
@@ -182,6 +188,35 @@ def expiry_and_late_report(options_on: bool) -> dict:
     return out
 
 
+def aborted_during_load(options_on: bool) -> dict:
+    from vllm.v1.request import RequestStatus
+
+    scheduler, clock = _scheduler(options_on, probe_async_load=True)
+    block_pool = scheduler.kv_cache_manager.block_pool
+    scheduler.connector.store_prefix(PROMPT[:CHECKPOINT_TOKENS])
+    request = h.make_request("aborted", PROMPT, MAX_TOKENS)
+    scheduler.add_request(request)
+    h.step(scheduler)  # allocates the blocks the load writes; the request waits for it
+    waiting = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    free_while_loading = block_pool.get_num_free_blocks()
+    scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    leased_after_abort = _leased_blocks(scheduler)[0]
+    clock.now += LEASE_SECONDS + 1  # a lease started at the abort would be past its deadline
+    h.step(scheduler)
+    out = {
+        "waiting_for_load": waiting,
+        "blocks_allocated_for_load": NUM_BLOCKS - 1 - free_while_loading,
+        "leased_blocks_after_abort": leased_after_abort,
+        "held_after_deadline_step": request.request_id in scheduler.requests,
+        "free_blocks_after_deadline_step": block_pool.get_num_free_blocks(),
+        "expired_leases": _lease_count(scheduler, "expired"),
+    }
+    out["finished_recving_error"] = _error_name(lambda: h.step(scheduler, finished_recving={request.request_id}))
+    out["held_after_finished_recving"] = request.request_id in scheduler.requests
+    out["free_blocks_after_finished_recving"] = block_pool.get_num_free_blocks()
+    return out
+
+
 def run(options_on: bool, config_values: list | None = None) -> dict:
     """config_values: how the scheduler reads each sparkcache_gpu_lease_seconds value instead."""
     if config_values is not None:
@@ -194,6 +229,7 @@ def run(options_on: bool, config_values: list | None = None) -> dict:
         "options_on": options_on,
         "checkpoint_eviction": checkpoint_eviction(options_on),
         "expiry": expiry_and_late_report(options_on),
+        "aborted_during_load": aborted_during_load(options_on),
     }
 
 

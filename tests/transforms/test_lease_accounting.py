@@ -29,6 +29,7 @@ import copy
 
 import pytest
 
+from testing.scenarios.lease_accounting import NUM_BLOCKS
 from transforms.lease_accounting import LEASE_KEY, SCHEDULER, SINGLE_TYPE, STATS, TRANSFORM
 
 pytestmark = [pytest.mark.slow]
@@ -123,8 +124,10 @@ def test_lease_expires_at_step_start_and_ignores_a_late_report(leased):
 
 def _counters(result: dict) -> dict:
     """Pop the transform's own counters (None on the pristine tree); the rest is behaviour."""
-    eviction, expiry = result["checkpoint_eviction"], result["expiry"]
+    eviction, expiry, aborted = result["checkpoint_eviction"], result["expiry"], result["aborted_during_load"]
     return {
+        "leased_blocks_after_abort": aborted.pop("leased_blocks_after_abort"),
+        "expired_leases_after_abort": aborted.pop("expired_leases"),
         "leased_blocks": eviction["during_lease"].pop("leased_blocks"),
         "stats_leased_blocks": eviction["during_lease"].pop("stats_leased_blocks"),
         "leased_blocks_after_release": eviction["after_release"].pop("leased_blocks"),
@@ -155,3 +158,27 @@ def test_lease_values_parsed_by_the_settings_table(scenario):
         assert "a finite JSON number 0.001 .. 86400" in error, error
     assert readings["2.5"] == {"error": None, "read": 2.5}
     assert readings["30"] == {"error": None, "read": 30.0}
+
+
+def test_pristine_holds_an_aborted_loads_blocks_until_finished_recving(pristine):
+    case = pristine["aborted_during_load"]
+    assert case["waiting_for_load"] is True and case["blocks_allocated_for_load"] == 5
+    assert case["held_after_deadline_step"] is True
+    assert case["free_blocks_after_deadline_step"] == NUM_BLOCKS - 1 - 5
+    assert case["finished_recving_error"] is None
+    assert case["held_after_finished_recving"] is False
+    assert case["free_blocks_after_finished_recving"] == NUM_BLOCKS - 1
+
+
+def test_no_lease_on_blocks_an_aborted_load_still_writes(leased, pristine):
+    """Aborted while its asynchronous load is in flight: the connector delays the free until
+    finished_recving, and vLLM's worker may write the blocks until then. A lease there would
+    free them at its deadline (another request could be given them while the load still
+    writes) and the report would then trip upstream's assert. Held exactly as upstream holds them."""
+    case = leased["aborted_during_load"]
+    assert case.pop("leased_blocks_after_abort") == 0
+    assert case.pop("expired_leases") == 0
+    upstream = pristine["aborted_during_load"]
+    assert {k: upstream[k] for k in ("leased_blocks_after_abort", "expired_leases")} == {
+        "leased_blocks_after_abort": None, "expired_leases": None}
+    assert case == {k: v for k, v in upstream.items() if k not in ("leased_blocks_after_abort", "expired_leases")}
