@@ -32,6 +32,12 @@ vLLM's engine core, and with one rank its worker, in this process
 "Measurements behind the code"); after every request the engine is then stepped as
 ``EngineCore.run_busy_loop`` steps it, while the scheduler has work (the connector's
 ``has_pending_push_work``), so captures settle and their stats arrive as in a served engine.
+``"phases": [{"prompts": [...]}, ...]`` (instead of ``"prompts"``) runs several rounds in one
+life: before each round after the first, the engine waits for ``run_in_fresh_process``'s
+``between`` and then drops its GPU prefix cache (``llm.reset_prefix_cache()``), so that round
+finds only what the connector restores, as after a restart, without paying for another start;
+the result then holds ``"phases"``: per round its ``results`` and ``metrics`` (a counter's
+growth during that round, a gauge's value at its end).
 
 Prints one line ``ENGINE-RESULT {json}``: per prompt the output token ids, vLLM's
 ``num_cached_tokens``, the ``kv_transfer_params`` (sparkcache's attribution record), the
@@ -48,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 
 def run(cfg: dict) -> dict:
@@ -58,8 +65,6 @@ def run(cfg: dict) -> dict:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
 
     kvt = None
     if cfg.get("connector", "sparkcache") == "sparkcache":
@@ -86,9 +91,36 @@ def run(cfg: dict) -> dict:
     startup_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
                             logprobs=0 if cfg.get("logprobs") else None)
+    if "phases" not in cfg:
+        out = {**_generate(llm, cfg, cfg["prompts"], params), "metrics": _metrics(llm)[1]}
+    else:
+        phases: list[dict] = []
+        totals: dict[str, float] = {}
+        for i, phase in enumerate(cfg["phases"]):
+            if i > 0:
+                if cfg.get("pause_dir"):
+                    _pause(Path(cfg["pause_dir"]), i, phases)
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError(f"phase {i}: vLLM refused to reset its prefix cache (a request still running?)")
+            done = _generate(llm, cfg, phase["prompts"], params)
+            totals, metrics = _metrics(llm, totals)
+            phases.append({**done, "metrics": metrics})
+        out = {"phases": phases}
+    try:  # shut the engine (and its processes) down before reporting
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return {**out, "startup_s": startup_s}
+
+
+def _generate(llm, cfg: dict, prompts: list, params) -> dict:
+    """Each prompt through ``llm.generate`` in turn (see the module doc): ``{"results": [...]}``."""
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
     results = []
     history: list[int] = []
-    for item in cfg["prompts"]:
+    for item in prompts:
         item = item if isinstance(item, dict) else {"ids": item}
         ids = item["ids"]
         if cfg.get("chain") and results:  # a conversation: the last prompt and its answer first
@@ -113,18 +145,37 @@ def run(cfg: dict) -> dict:
             _step_while_the_scheduler_has_work(llm)
         if cfg.get("check_units"):
             results[-1].update(_settled_units(cfg["check_units"]))
-    metrics = {}
+    return {"results": results}
+
+
+def _metrics(llm, before: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """vLLM's counters and gauges that the tests read, by ``name{labels json}``: (the counters'
+    totals, each metric as reported: a gauge's value, a counter's growth since ``before``)."""
+    from vllm.v1.metrics.reader import Counter
+
+    totals, reported = {}, {}
     for m in llm.get_metrics():
         if m.name.startswith(("vllm:prefix_cache", "vllm:external_prefix", "vllm:sparkcache",
                               "vllm:prompt_tokens")):
             value = getattr(m, "value", None)
-            if value is not None:
-                metrics[m.name + json.dumps(getattr(m, "labels", {}), sort_keys=True)] = value
-    try:  # shut the engine (and its processes) down before reporting
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    return {"results": results, "metrics": metrics, "startup_s": startup_s}
+            if value is None:
+                continue
+            key = m.name + json.dumps(getattr(m, "labels", {}), sort_keys=True)
+            if isinstance(m, Counter):
+                totals[key] = value
+                value -= (before or {}).get(key, 0.0)
+            reported[key] = value
+    return totals, reported
+
+
+def _pause(pause_dir: Path, phase: int, done: list[dict]) -> None:
+    """Hand the phases so far to ``run_in_fresh_process``'s ``between`` (``pause-N.json``) and
+    wait for its ``go-N`` (the parent kills this process at the life's timeout)."""
+    tmp = pause_dir / f".pause-{phase}.json"
+    tmp.write_text(json.dumps(done))
+    tmp.rename(pause_dir / f"pause-{phase}.json")
+    while not (pause_dir / f"go-{phase}").exists():
+        time.sleep(0.05)
 
 
 def _step_while_the_scheduler_has_work(llm, timeout_s: float = 600.0) -> None:
@@ -185,12 +236,15 @@ RESULT_MARKER = "ENGINE-RESULT "
 
 def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
                          command: tuple[str, ...] = ("contracts.engine_driver",),
-                         env: dict[str, str] | None = None) -> dict:
+                         env: dict[str, str] | None = None,
+                         between: Callable[[int, list[dict]], None] | None = None) -> dict:
     """``python -m *command @FILE`` (``FILE``: the JSON of ``cfg``; ``load_cfg`` reads it) in a new interpreter (its own session, killed with its
     group afterwards: engine processes ignore SIGTERM), with ``cwd`` first on PYTHONPATH; the
     child prints one ``ENGINE-RESULT {json}`` line. Returns that JSON plus ``log`` (the tail of
     its output); raises RuntimeError with that output when the child fails. ``env`` adds to
-    (or overrides) this process's environment for the child; its ``PYTHONPATH`` goes first."""
+    (or overrides) this process's environment for the child; its ``PYTHONPATH`` goes first.
+    ``between(i, phases_done)`` runs here before phase ``i`` (1, 2, ...) of a life with
+    ``"phases"``, while the engine waits (e.g. to damage the store it serves)."""
     extra = dict(env or {})
     first = extra.pop("PYTHONPATH", None)  # e.g. a transformed vLLM tree, ahead of cwd
     env = dict(os.environ, **extra, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
@@ -200,15 +254,14 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
     # Files, not pipes, so a straggler that inherited them cannot keep us waiting. The config
     # goes in a file too: one argument may not exceed 128 KiB, a 32K-token prompt's ids do.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
-            tempfile.NamedTemporaryFile("w", suffix=".json") as cfg_file:
-        json.dump(cfg, cfg_file)
+            tempfile.NamedTemporaryFile("w", suffix=".json") as cfg_file, \
+            tempfile.TemporaryDirectory() as pause_dir:
+        json.dump({**cfg, "pause_dir": pause_dir} if between else cfg, cfg_file)
         cfg_file.flush()
         p = subprocess.Popen([sys.executable, "-m", *command, "@" + cfg_file.name],
                              cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
+            _wait(p, timeout, Path(pause_dir), between)
         finally:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -227,6 +280,24 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
             return result
     raise RuntimeError(f"engine life `python -m {' '.join(command)} @CFG_FILE` failed (rc={p.returncode}, "
                        f"timeout {timeout} s); its output ends:\n{stdout[-4000:]}\n{stderr[-8000:]}")
+
+
+def _wait(p: subprocess.Popen, timeout: float, pause_dir: Path,
+          between: Callable[[int, list[dict]], None] | None) -> None:
+    """Until the child exits or ``timeout`` passes, answering each pause of its phases."""
+    deadline = time.monotonic() + timeout
+    phase = 1
+    while time.monotonic() < deadline:
+        try:
+            p.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())) if between else timeout)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        paused = pause_dir / f"pause-{phase}.json"
+        if between is not None and paused.exists():
+            between(phase, json.loads(paused.read_text()))
+            (pause_dir / f"go-{phase}").touch()
+            phase += 1
 
 
 _SHM = Path("/dev/shm")

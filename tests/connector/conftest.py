@@ -1,6 +1,7 @@
 import json
 import random
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -30,15 +31,18 @@ def long_prompt(n: int = 2100, seed: int = 1) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-def run_engine(cfg: dict, timeout: int = 500, env: dict | None = None) -> dict:
+def run_engine(cfg: dict, timeout: int = 500, env: dict | None = None,
+               between: Callable[[int, list[dict]], None] | None = None) -> dict:
     """One engine life (start, generate, shut down) in a fresh process; returns its JSON.
     ``env``: added to the child's environment (its ``PYTHONPATH`` goes first). Unless ``cfg``
     says otherwise, eager (torch.compile does not change what the connector does and is slow on
     a CPU) and in one process (``"in_process"``: vLLM's engine core and worker import vLLM once
     instead of three times; docs/RESULTS.md, "Measurements behind the code"). The image's
     contract, the ``vllm serve`` tests and the tensor-parallel lives run vLLM's own processes
-    and busy loop, compiled in the first two, as operators do."""
-    return run_in_fresh_process({"enforce_eager": True, "in_process": True, **cfg}, REPO, timeout, env=env)
+    and busy loop, compiled in the first two, as operators do. ``between``: for a life with
+    ``"phases"`` (contracts/engine_driver.py), what to do before each phase after the first."""
+    return run_in_fresh_process({"enforce_eager": True, "in_process": True, **cfg}, REPO, timeout, env=env,
+                                between=between)
 
 
 def metric(result: dict, name: str, **labels) -> float:

@@ -4,21 +4,24 @@ missing shard on rank 1 heals (issue 18).
 
 The tiny offline Llama (4 KV heads, 2 per rank), two 2,100-token prompts, one worker process
 per rank, each on its own core (``VLLM_CPU_OMP_THREADS_BIND``), gloo and vLLM's shared-memory
-all-reduce on loopback. One module-scoped sequence of engine lives on one store root:
+all-reduce on loopback. One module-scoped sequence on one store root, in two engine lives
+(each round after the first in a life starts on an emptied GPU prefix cache, so it finds only
+what the connector restores; contracts/engine_driver.py, ``"phases"``):
 
 1. TP=2, read-write, cold: both prompts computed (nothing to restore: the reference output);
    each rank publishes its shard (4 entries);
 2. TP=2 after a restart: both restored, identical; restored tokens counted once per request
    (not once per rank);
-3. rank 1's shard of prompt A corrupted (one byte of one object) and rank 1's shard of
-   prompt B deleted (its objects): A is offered, refused by rank 1 and recomputed on both
-   ranks; B is not offered (its shard is gone); both outputs identical, both captured again;
-4. TP=2 after that: both restored again, identical;
-5. TP=1, restore-only, on the TP=2 store: nothing restored (another TP size holds other heads).
+3. in the same life, rank 1's shard of prompt A corrupted (one byte of one object) and rank 1's
+   shard of prompt B deleted (its objects): A is offered, refused by rank 1 and recomputed on
+   both ranks; B is not offered (its shard is gone); both outputs identical, both captured again;
+4. then: both restored again, identical.
 
-And the long-memory tiny NemotronH of ``test_engine_hybrid`` (Mamba2 + attention) at TP=2:
-cold (computed: the reference), restored: each rank publishes and restores its pages and its share of the
-recurrent state; tokens identical.
+Another TP size restores nothing: ``test_shards_written_at_tp4_are_not_restored_at_tp2``.
+
+And the long-memory tiny NemotronH of ``test_engine_hybrid`` (Mamba2 + attention) at TP=2,
+one life: cold (computed: the reference), then restored: each rank publishes and restores its
+pages and its share of the recurrent state; tokens identical.
 """
 
 from __future__ import annotations
@@ -66,23 +69,9 @@ def _shard(root, prompt: list[int], tp_rank: int):
     return store, found[0]
 
 
-@pytest.fixture(scope="module")
-def lives(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("store")
-    env = _tp_env()
-    base = {"model": tiny_model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "block_size": BLOCK,
-            "tensor_parallel_size": 2}
-    # Every life waits for its publications to settle before it shuts down: the offline engine
-    # gets 5 s to stop, which a publication on a busy disk can outlast (docs/CONNECTOR.md,
-    # "Shutdown").
-    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64},
-          "check_units": {"root": str(root), "ranks": 2}}
-    out = {"cold": run_engine(rw, timeout=600, env=env)}
-    store = PageStore(str(root))
-    store.catalog.refresh(force=True)
-    out["entries"] = sorted((e.manifest.identity.tp_rank, e.manifest.block_count)
-                            for e in store.catalog.entries())
-    out["restored"] = run_engine(rw, timeout=600, env=env)
+def _damage_rank_1(root) -> None:
+    """Rank 1's shard of prompt A corrupted (one byte of one object), its shard of prompt B
+    deleted (the objects rank 0's shard does not share)."""
     store, a = _shard(root, PROMPTS[0], 1)
     victim = store.objects.path(a.manifest.pages[len(a.manifest.pages) // 2].digest)
     data = bytearray(open(victim, "rb").read())
@@ -96,10 +85,32 @@ def lives(tiny_model, tmp_path_factory):
     for page in b.manifest.pages:
         if page.digest not in shared:
             os.unlink(store.objects.path(page.digest))
-    out["damaged"] = run_engine(rw, timeout=600, env=env)
-    out["healed"] = run_engine(rw, timeout=600, env=env)
-    out["tp1"] = run_engine({**rw, "tensor_parallel_size": 1,
-                             "extra": {**rw["extra"], "access_mode": "restore-only"}}, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def lives(tiny_model, tmp_path_factory):
+    """Two lives: cold; then, after a restart, restored, damaged (the store damaged while the
+    engine waits) and healed, each round on an emptied GPU prefix cache."""
+    root = tmp_path_factory.mktemp("store")
+    env = _tp_env()
+    base = {"model": tiny_model, "max_tokens": MAX_TOKENS, "block_size": BLOCK, "tensor_parallel_size": 2}
+    # Every round waits for its publications to settle before the next (and before the life
+    # ends: the offline engine gets 5 s to stop, which a publication on a busy disk can outlast;
+    # docs/CONNECTOR.md, "Shutdown").
+    rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64},
+          "check_units": {"root": str(root), "ranks": 2}}
+    out = {"cold": run_engine({**rw, "prompts": PROMPTS}, timeout=600, env=env)}
+    store = PageStore(str(root))
+    store.catalog.refresh(force=True)
+    out["entries"] = sorted((e.manifest.identity.tp_rank, e.manifest.block_count)
+                            for e in store.catalog.entries())
+
+    def between(phase: int, _done: list[dict]) -> None:
+        if phase == 1:
+            _damage_rank_1(root)
+
+    later = run_engine({**rw, "phases": [{"prompts": PROMPTS}] * 3}, timeout=900, env=env, between=between)
+    out["restored"], out["damaged"], out["healed"] = later["phases"]
     return out
 
 
@@ -108,11 +119,11 @@ def hybrid_lives(hybrid_model, tmp_path_factory):
     from .test_engine_hybrid import HYBRID, PROMPT
 
     root = tmp_path_factory.mktemp("hybrid-store")
-    base = {"model": hybrid_model, "prompts": [PROMPT], **HYBRID, "tensor_parallel_size": 2}
+    base = {"model": hybrid_model, **HYBRID, "tensor_parallel_size": 2}
     rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64},
           "check_units": {"root": str(root), "ranks": 2}}  # publications settled before shutdown
-    env = _tp_env()
-    return {"cold": run_engine(rw, timeout=600, env=env), "restored": run_engine(rw, timeout=600, env=env)}
+    cold, restored = run_engine({**rw, "phases": [{"prompts": [PROMPT]}] * 2}, timeout=600, env=_tp_env())["phases"]
+    return {"cold": cold, "restored": restored}
 
 
 def _records(result: dict) -> list[dict]:
@@ -166,12 +177,6 @@ def test_a_damaged_or_missing_shard_on_rank_1_recomputes_then_heals(lives):
     assert [r["external_tokens"] for r in _records(healed)] == [REUSABLE, REUSABLE]
 
 
-def test_another_tp_size_restores_nothing(lives):
-    tp1 = lives["tp1"]
-    assert [r["external_tokens"] for r in _records(tp1)] == [0, 0]
-    assert metric(tp1, "vllm:sparkcache_restored_tokens") == 0
-
-
 def test_a_hybrid_model_at_tp2_restores_pages_and_state_with_identical_tokens(hybrid_lives):
     from .test_engine_hybrid import REUSABLE as HYBRID_REUSABLE
 
@@ -183,21 +188,21 @@ def test_a_hybrid_model_at_tp2_restores_pages_and_state_with_identical_tokens(hy
 
 
 # A store that holds about two units (each rank's shard of a 1,000-token prompt is ~1 MiB):
-# six prompts through it, then after a restart the last (still stored) and the first (evicted).
+# six prompts through it, then (the GPU prefix cache emptied) the last (still stored) and the first (evicted).
 SMALL = [long_prompt(1000, seed=40 + i) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
 def small_store_lives(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("small-store")
-    cfg = {"model": tiny_model, "prompts": SMALL, "max_tokens": MAX_TOKENS,
+    cfg = {"model": tiny_model, "max_tokens": MAX_TOKENS,
            "block_size": BLOCK, "tensor_parallel_size": 2, "connector": "sparkcache",
            "extra": {"root": str(root), "min_span_tokens": 64, "max_bytes": "4MiB",
                      "low_watermark_bytes": "2MiB"},
-           "check_units": {"root": str(root), "ranks": 2}}
-    # six requests, each allowed check_units' 120 s to settle, inside the life's timeout
-    return [run_engine(cfg, timeout=1200, env=_tp_env()),
-            run_engine({**cfg, "prompts": [SMALL[-1], SMALL[0]]}, timeout=600, env=_tp_env())]
+           "check_units": {"root": str(root), "ranks": 2},
+           "phases": [{"prompts": SMALL}, {"prompts": [SMALL[-1], SMALL[0]]}]}
+    # eight requests, each allowed check_units' 120 s to settle, inside the life's timeout
+    return run_engine(cfg, timeout=1200, env=_tp_env())["phases"]
 
 
 def test_a_store_at_its_cap_never_keeps_an_entry_of_only_some_ranks(small_store_lives):
@@ -211,7 +216,7 @@ def test_a_store_at_its_cap_never_keeps_an_entry_of_only_some_ranks(small_store_
     records = _records(first) + _records(again)
     assert [r["failed_restores"] for r in records] == [0] * len(records)
     assert metric(again, "vllm:sparkcache_restores", outcome="refused") == 0
-    # after the restart: the last prompt restored, the first (evicted long ago) recomputed
+    # then: the last prompt restored, the first (evicted long ago) recomputed
     assert [r["external_tokens"] for r in _records(again)] == [(1000 - 1) // BLOCK * BLOCK, 0]
     assert [r["tokens"] for r in again["results"]] == [first["results"][-1]["tokens"], first["results"][0]["tokens"]]
 
@@ -219,44 +224,49 @@ def test_a_store_at_its_cap_never_keeps_an_entry_of_only_some_ranks(small_store_
 @pytest.fixture(scope="module")
 def per_rank_root_lives(tmp_path_factory):
     """The tiny Llama with 2 KV heads, so that at TP=4 vLLM replicates each head on two ranks
-    and a TP=4 rank's shard has the shape of a TP=2 rank's: first a TP=4 life, then TP=2 cold
-    and restarted (with rank 1's root full), all on ``root: BASE/rank{rank}``."""
+    and a TP=4 rank's shard has the shape of a TP=2 rank's: first a TP=4 life, then a TP=2 life
+    (cold, then with rank 1's root full), all on ``root: BASE/rank{rank}``."""
     from testing.tinymodel import TinyModelSpec, make_tiny_model
 
     model = make_tiny_model(TinyModelSpec(num_kv_heads=2))
     base = tmp_path_factory.mktemp("per-rank")
-    cfg = {"model": model, "prompts": SMALL[:1], "max_tokens": MAX_TOKENS, "block_size": BLOCK,
+    cfg = {"model": model, "max_tokens": MAX_TOKENS, "block_size": BLOCK,
            "tensor_parallel_size": 2, "connector": "sparkcache",
-           "extra": {"root": str(base / "rank{rank}"), "min_span_tokens": 64}}
+           "extra": {"root": str(base / "rank{rank}"), "min_span_tokens": 64,
+                     "max_bytes": "3MiB", "low_watermark_bytes": "2MiB"}}
     # each life waits for its publications to settle before it shuts down (see ``lives``)
     def settled(ranks: int) -> dict:
         return {"check_units": {"roots": [str(base / f"rank{r}") for r in range(ranks)], "ranks": ranks}}
 
-    out = {"tp4": run_engine({**cfg, "tensor_parallel_size": 4, **settled(4)}, timeout=600, env=_tp_env(4)),
-           "cold": run_engine({**cfg, **settled(2)}, timeout=600, env=_tp_env())}
-    out["roots"] = []
-    for rank in (0, 1, 2, 3):
-        store = PageStore(str(base / f"rank{rank}"), read_only=True)
-        out["roots"].append(sorted(e.manifest.identity.tp_rank for e in store.catalog.entries()))
-    # The restart. Rank 1's root is over its cap, every entry in it pinned (maintenance can
-    # free nothing): rank 1 serves the restore of the first prompt but refuses every
-    # publication, rank 0's go through (two more prompts).
+    out = {"tp4": run_engine({**cfg, "prompts": SMALL[:1], "tensor_parallel_size": 4, **settled(4)},
+                             timeout=600, env=_tp_env(4))}
+    leases: list[str] = []
     full = PageStore(str(base / "rank1"))
-    for rank in (0, 1):  # another engine's entry, whole (both its shards): 3 MiB
-        filler = Identity("filler", "x", BLOCK, rank, "lock")
-        assert full.publish(filler, [f"f{i}" for i in range(4)], [bytes([rank]) * (3 << 19)],
-                            blocks_per_page=4).ok
-    leases = [full.lookup(e.manifest.identity, e.manifest.block_keys, lease=True).lease_id
-              for e in full.entries()]
-    out["restored"] = run_engine({**cfg, "prompts": SMALL[:3],
-                                  "extra": {**cfg["extra"], "max_bytes": "3MiB", "low_watermark_bytes": "2MiB"},
-                                  **settled(2)}, timeout=600, env=_tp_env())
+
+    def between(_phase: int, _done: list[dict]) -> None:
+        out["roots"] = []
+        for rank in (0, 1, 2, 3):
+            store = PageStore(str(base / f"rank{rank}"), read_only=True)
+            out["roots"].append(sorted(e.manifest.identity.tp_rank for e in store.catalog.entries()))
+        # Rank 1's root goes over its cap, every entry in it pinned (maintenance can free
+        # nothing): rank 1 serves the restore of the first prompt but refuses every
+        # publication, rank 0's go through (two more prompts).
+        for rank in (0, 1):  # another engine's entry, whole (both its shards): 3 MiB
+            filler = Identity("filler", "x", BLOCK, rank, "lock")
+            assert full.publish(filler, [f"f{i}" for i in range(4)], [bytes([rank]) * (3 << 19)],
+                                blocks_per_page=4).ok
+        leases.extend(full.lookup(e.manifest.identity, e.manifest.block_keys, lease=True).lease_id
+                      for e in full.entries())
+
+    out["cold"], out["restored"] = run_engine(
+        {**cfg, "phases": [{"prompts": SMALL[:1]}, {"prompts": SMALL[:3]}], **settled(2)},
+        timeout=900, env=_tp_env(), between=between)["phases"]
     for lease in leases:
         full.release(lease)
     return out
 
 
-def test_each_rank_writes_its_own_root_and_a_restart_restores_from_both(per_rank_root_lives):
+def test_each_rank_writes_its_own_root_and_the_scheduler_restores_from_both(per_rank_root_lives):
     """``root: /cache/rank{rank}``: each rank's worker publishes its shard under its own root;
     the scheduler reads both roots and offers the entry; the restore is identical."""
     assert per_rank_root_lives["roots"] == [[0, 0], [1, 1], [2], [3]]  # TP=4's and TP=2's shards
