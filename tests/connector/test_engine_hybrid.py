@@ -9,7 +9,9 @@ Mamba2, attention; its Mamba layers are ``mamba``, not ``mixer``, with their own
 "align"``, block size 64 and ``max_num_batched_tokens`` 64 (vLLM's CPU Mamba2 chunk scan
 needs prefill chunks that end on block boundaries).
 
-Per architecture, one module-scoped sequence of engine lives on one store root, each in its own process:
+Per architecture, one module-scoped sequence on one store root, in three engine lives (steps 2-4
+in one life, each round on an emptied GPU prefix cache, so it finds only what the connector
+restores; contracts/engine_driver.py, ``"phases"``):
 
 1. read-write, cold: the 1,100-token prompt is computed (nothing restored: the reference tokens
    and logprobs, equal to a connector-absent life's: for NemotronH that life is
@@ -17,9 +19,10 @@ Per architecture, one module-scoped sequence of engine lives on one store root, 
    all three Mamba layers;
 2. read-write after a restart: restored to 1,088 tokens (vLLM's counter, the attribution
    record and the connector's own), tokens identical, logprobs within 1e-5;
-3. one byte of the stored state flipped: refused before anything is placed, recomputed
-   with identical output, the object removed and written again by this request's capture;
-4. read-write after that: restored again, identical;
+3. one byte of the stored state flipped while the engine runs: refused before anything is
+   placed, recomputed with identical output, the object removed and written again by this
+   request's capture;
+4. then: restored again, identical;
 5. restore-only after the entry was rewritten with a zeroed state (a valid object): the
    restore happens and the tokens differ, so a wrong state cannot pass unnoticed.
 """
@@ -72,19 +75,23 @@ def runs(spec, tmp_path_factory):
         out["absent"] = run_engine({**base, "connector": "none"})
     store, entry = _state_entry(root)
     out["entry"] = (entry.manifest.block_count, entry.manifest.state.size)
-    out["restored"] = run_engine(rw)
-    state_path = store.objects.path(entry.manifest.state.digest)
-    data = bytearray(open(state_path, "rb").read())
-    data[len(data) // 3] ^= 0x01
-    with open(state_path, "wb") as f:
-        f.write(data)
-    out["corrupt"] = run_engine(rw)
-    try:  # removed as corrupt, then written again by the refused request's own capture
-        store.objects.check_verified(entry.manifest.state.digest, entry.manifest.state.size)
-        out["state_rewritten"] = True
-    except Exception as exc:
-        out["state_rewritten"] = repr(exc)
-    out["healed"] = run_engine(rw)
+
+    def between(phase: int, _done: list[dict]) -> None:
+        state_path = store.objects.path(entry.manifest.state.digest)
+        if phase == 1:  # after the restore: one byte of the stored state flipped
+            data = bytearray(open(state_path, "rb").read())
+            data[len(data) // 3] ^= 0x01
+            with open(state_path, "wb") as f:
+                f.write(data)
+            return
+        try:  # removed as corrupt, then written again by the refused request's own capture
+            store.objects.check_verified(entry.manifest.state.digest, entry.manifest.state.size)
+            out["state_rewritten"] = True
+        except Exception as exc:
+            out["state_rewritten"] = repr(exc)
+
+    later = run_engine({**rw, "phases": [{"prompts": [PROMPT]}] * 3}, between=between)
+    out["restored"], out["corrupt"], out["healed"] = later["phases"]
     store, entry = _state_entry(root)
     m = entry.manifest
     pages = [bytes(p) for p in store.objects.read_many_verified(list(m.pages))]

@@ -5,10 +5,11 @@ the same store root:
 0. connector absent, LoRA on: the reference outputs of one 2,100-token prompt with no
    adapter, with adapter A and with adapter B (tiny random adapters made offline);
 1. read-write, cold, on a copy of the model: the prompt under cache_salt s1, and under A;
-2. after a restart: under salt s2 and under B nothing is restored (another tenant, another
-   adapter); under s1 and under A the stored prefix is restored with identical output;
-3. the copy's weights rewritten in place (one tensor, same size, same path): nothing is
-   restored, and the output is what the new weights give.
+2. in the same life, the GPU prefix cache emptied (contracts/engine_driver.py, ``"phases"``):
+   under salt s2 and under B nothing is restored (another tenant, another adapter); under s1
+   and under A the stored prefix is restored with identical output;
+3. after a restart, the copy's weights rewritten in place (one tensor, same size, same path):
+   nothing is restored, and the output is what the new weights give.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def runs(tiny_model, tmp_path_factory):
     out = {}
     out["reference"] = run_engine({**base, "model": tiny_model, "connector": "none",
                                    "prompts": [ask(), ask(lora=a), ask(lora=b)]})
-    out["cold"] = run_engine({**rw, "prompts": [ask(salt="s1"), ask(lora=a)]})
-    out["restart"] = run_engine({**rw, "prompts": [ask(salt="s2"), ask(salt="s1"), ask(lora=b), ask(lora=a)]})
+    out["cold"], out["second"] = run_engine({**rw, "phases": [
+        {"prompts": [ask(salt="s1"), ask(lora=a)]},
+        {"prompts": [ask(salt="s2"), ask(salt="s1"), ask(lora=b), ask(lora=a)]}]})["phases"]
     _rewrite_one_tensor(model / "model.safetensors")
     out["new_weights"] = run_engine({**rw, "prompts": [ask(salt="s1"), ask()]})
     return out
@@ -80,7 +82,7 @@ def test_the_inputs_give_different_outputs(runs):
 
 
 def test_another_cache_salt_gets_nothing_and_the_same_salt_is_restored(runs):
-    ref, res = runs["reference"], runs["restart"]
+    ref, res = runs["reference"], runs["second"]
     other, same = _rec(res, 0), _rec(res, 1)
     assert other["external_tokens"] == 0 and other["recomputed_tokens"] == len(PROMPT)
     assert same["external_tokens"] == REUSABLE and same["complete"]
@@ -88,7 +90,7 @@ def test_another_cache_salt_gets_nothing_and_the_same_salt_is_restored(runs):
 
 
 def test_another_adapter_gets_nothing_and_the_same_adapter_is_restored(runs):
-    ref, res = runs["reference"], runs["restart"]
+    ref, res = runs["reference"], runs["second"]
     other, same = _rec(res, 2), _rec(res, 3)
     assert other["external_tokens"] == 0 and _tokens(res, 2) == _tokens(ref, 2)
     assert same["external_tokens"] == REUSABLE and _tokens(res, 3) == _tokens(ref, 1)

@@ -1,24 +1,27 @@
 """End to end on the real CPU engine (vllm.LLM, prefix caching on), tiny offline model.
 
-One module-scoped sequence of engine lives on one store root, each in its own process
-(the engine is really shut down between them):
+One module-scoped sequence on one store root, in five engine lives, each in its own process
+(the engine is really shut down between them); steps 3-5 are rounds of one life, each on an
+emptied GPU prefix cache, so it finds only what the connector restores
+(contracts/engine_driver.py, ``"phases"``):
 
 1. connector absent: the reference greedy output;
 2. read-write, cold: the prompt (2,100 tokens) is computed and published;
 3. read-write after a restart: restored; external tokens == the stored reusable prefix
    (from vLLM's own counters and from the attribution record); output identical;
-4. restore-only, on a read-only bind mount of the root: restores with identical output, and
-   the root's files, directories, bytes and mtimes are unchanged;
-5. one byte of one stored object flipped, read-write: the restore is refused (nothing
-   placed), the request recomputes, the output is identical, the load-failure counter moved,
-   and the corrupt object is removed (quarantine counter 1), so this request's capture
+4. one byte of one stored object flipped while the engine runs: the restore is refused
+   (nothing placed), the request recomputes, the output is identical, the load-failure counter
+   moved, and the corrupt object is removed (quarantine counter 1), so this request's capture
    writes it again;
-6. read-write after that: restored again, with identical output;
+5. then: restored again, with identical output;
+6. restore-only, on a read-only bind mount of the root: restores with identical output, and
+   the root's files, directories, bytes and mtimes are unchanged;
 7. disabled, pointed at a root that does not exist: it still does not exist afterwards.
 
 And at conversation scale, a 32K-token prompt (the tiny model with positions to 40,960):
-computed and published, restored with identical output, then one byte of a page in the
-middle of the entry flipped: refused, recomputed, identical output.
+computed and published; after a restart restored with identical output, then, in the same
+life, one byte of a page in the middle of the entry flipped: refused, recomputed, identical
+output.
 """
 
 from __future__ import annotations
@@ -50,7 +53,22 @@ def runs(tiny_model, tmp_path_factory):
     rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64}}
     out["cold"] = run_engine(rw)
     out["after_cold_snapshot"] = snapshot(root)
-    out["restored"] = run_engine(rw)
+
+    def between(phase: int, _done: list[dict]) -> None:
+        if phase == 1:  # after the restore: one byte of one stored object flipped
+            objects = sorted(p for p in (root / "default" / "objects").rglob("*") if p.is_file())
+            victim = objects[len(objects) // 2]
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            victim.write_bytes(bytes(data))
+            out["victim"], out["victim_data"] = victim, bytes(data)
+        else:
+            victim = out.pop("victim")
+            out["victim_after_corrupt"] = victim.exists() and victim.read_bytes() == out.pop("victim_data")
+
+    later = run_engine({**rw, "phases": [{"prompts": [PROMPT]}] * 3}, between=between)
+    out["restored"], out["corrupt"], out["healed"] = later["phases"]
+    out["corrupt"]["log"] = later["log"]
     before = snapshot(root)
     with read_only_view(root, tmp_path_factory.mktemp("mnt") / "ro") as ro:
         out["restore_only"] = run_engine({**rw, "extra": {**rw["extra"], "root": str(ro),
@@ -58,15 +76,6 @@ def runs(tiny_model, tmp_path_factory):
     after = snapshot(root)
     out["restore_only_unchanged"] = before == after
     out["restore_only_diff"] = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    objects = sorted(p for p in (root / "default" / "objects").rglob("*") if p.is_file())
-    victim = objects[len(objects) // 2]
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
-    out["victim"] = str(victim)
-    out["corrupt"] = run_engine(rw)
-    out["victim_after_corrupt"] = victim.exists() and victim.read_bytes() == bytes(data)
-    out["healed"] = run_engine(rw)
     missing = root.parent / "never-created"
     out["disabled_root"] = missing
     out["disabled"] = run_engine({**rw, "extra": {"root": str(missing), "access_mode": "disabled"}})
@@ -146,17 +155,23 @@ def long_runs(tmp_path_factory):
     rw = {"model": model, "prompts": [LONG_PROMPT], "max_tokens": 16, "block_size": BLOCK,
           "max_model_len": 40960, "max_num_batched_tokens": 40960, "connector": "sparkcache",
           "extra": {"root": str(root), "min_span_tokens": 64}}
-    out = {"cold": run_engine(rw, timeout=900), "restored": run_engine(rw, timeout=900)}
-    store = PageStore(str(root), read_only=True)
-    (entry,) = store.catalog.entries()
-    pages = entry.manifest.pages
-    victim = Path(store.objects.path(pages[len(pages) // 2].digest))
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 3] ^= 0x01
-    victim.chmod(0o644)
-    victim.write_bytes(bytes(data))
-    out["pages"] = len(pages)
-    out["corrupt"] = run_engine(rw, timeout=900)
+    out = {"cold": run_engine(rw, timeout=900)}
+
+    def between(_phase: int, _done: list[dict]) -> None:
+        """After the restore: one byte of a page in the middle of the entry flipped."""
+        store = PageStore(str(root), read_only=True)
+        (entry,) = store.catalog.entries()
+        pages = entry.manifest.pages
+        victim = Path(store.objects.path(pages[len(pages) // 2].digest))
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 3] ^= 0x01
+        victim.chmod(0o644)
+        victim.write_bytes(bytes(data))
+        out["pages"] = len(pages)
+
+    later = run_engine({**rw, "phases": [{"prompts": [LONG_PROMPT]}] * 2}, timeout=900, between=between)
+    out["restored"], out["corrupt"] = later["phases"]
+    out["corrupt"]["log"] = later["log"]
     return out
 
 
