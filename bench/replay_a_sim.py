@@ -191,13 +191,8 @@ def run(cfg: dict) -> dict:
                 continue
             admitted[rid] = {"local": stats.num_local_cached_tokens, "external": stats.num_external_cached_tokens,
                              "at": ctx.now}
-        cost.update(prefill_tokens=0, decoding=False)
-        for rid, n in out.num_scheduled_tokens.items():
-            req = scheduler.requests[rid]
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                cost["prefill_tokens"] += n
-            else:
-                cost["decoding"] = True
+        prefill_tokens, decoding = step_cost(scheduler, out)
+        cost.update(prefill_tokens=prefill_tokens, decoding=decoding)
 
     def sample(req) -> int:  # the synthetic model: the turn's plan, token by token
         return by_rid[req.request_id].plan[req.num_output_tokens]
@@ -253,6 +248,24 @@ def run(cfg: dict) -> dict:
             "publish_failures": ctx.publish_failures, "sim_seconds": ctx.now,
             "evicted_cached_blocks": ctx.evicted_cached_blocks, "peak_live_context_tokens": peak_live,
             "preemptions": ctx.preemptions, "stalled": stalled}
+
+
+def step_cost(scheduler, out) -> tuple[int, bool]:
+    """(prefill tokens, whether any request decodes) of the step ``out`` scheduled, for its
+    modelled time; called after ``schedule()``, before ``update_from_output``.
+
+    ``schedule()`` has already advanced each request's ``num_computed_tokens`` by its chunk, so
+    the progress the step started from is that minus the chunk. A chunk is decode when it is one
+    token past the prompt; any other (a prompt's chunks, the one that completes it included; a
+    preempted request recomputing its outputs) is prefill."""
+    prefill_tokens, decoding = 0, False
+    for rid, n in out.num_scheduled_tokens.items():
+        req = scheduler.requests[rid]
+        if req.num_computed_tokens - n < req.num_prompt_tokens or n > 1:
+            prefill_tokens += n
+        else:
+            decoding = True
+    return prefill_tokens, decoding
 
 
 def clock_after_step(now: float, step_s: float, acted: bool, event: float | None,

@@ -25,6 +25,18 @@ class Transform:
     edits: Mapping[str, tuple[Edit, ...]] = field(default_factory=dict)
 
 
+def class_default(cls: str, attribute: str, transform_id: str) -> Edit:
+    """``attribute = None`` in cls's body, beside the ``self.attribute`` the transform's
+    ``__init__`` edit sets: an object built without that ``__init__`` (``object.__new__(cls)`` as
+    upstream's tests do, a subclass with its own ``__init__``) reads None at every call site, as
+    with the option absent, instead of raising AttributeError."""
+    return Edit(
+        function=cls,
+        mode="append_to_class",
+        new=f"{attribute} = None  # sparkcache {transform_id}: class default; __init__ sets it",
+    )
+
+
 def all_transforms() -> tuple[Transform, ...]:
     """The transforms in the fixed order they are applied."""
     from transforms import checkpoint_retention, lease_accounting, prefer_local_prefix
@@ -36,4 +48,4 @@ def all_transforms() -> tuple[Transform, ...]:
     )
 
 
-__all__ = ["Edit", "EditError", "Transform", "all_transforms"]
+__all__ = ["Edit", "EditError", "Transform", "all_transforms", "class_default"]

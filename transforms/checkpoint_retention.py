@@ -23,7 +23,7 @@ transform acts. It never hashes a block a step passed through inside a chunk.
 
 from __future__ import annotations
 
-from transforms import Edit, Transform
+from transforms import Edit, Transform, class_default
 
 RETAIN_KEY = "sparkcache_retain_decode_checkpoint"
 DROP_KEY = "sparkcache_drop_superseded_checkpoint"
@@ -130,6 +130,7 @@ TRANSFORM = Transform(
             Edit(function="Scheduler.__init__", mode="insert_after", anchor=_SCHEDULER_ANCHOR, new=_SCHEDULER_CALL),
         ),
         SINGLE_TYPE: (
+            class_default("MambaManager", "sparkcache_decode_checkpoints", "checkpoint_retention"),
             Edit(function="MambaManager.__init__", mode="insert_after", anchor=_INIT_ANCHOR, new=_INIT),
             Edit(
                 function="MambaManager.cache_blocks",

@@ -21,7 +21,7 @@ metrics cannot tell leased blocks from running ones.
 
 from __future__ import annotations
 
-from transforms import Edit, Transform
+from transforms import Edit, Transform, class_default
 
 LEASE_KEY = "sparkcache_gpu_lease_seconds"
 
@@ -60,6 +60,7 @@ return SchedulerStats(
 """
 
 SCHEDULER_EDITS = (
+    class_default("Scheduler", "sparkcache_leases", "lease_accounting"),
     Edit(
         function="Scheduler.__init__",
         mode="insert_after",
@@ -138,6 +139,7 @@ if self.sparkcache_retired is not None:
 """
 
 SINGLE_TYPE_EDITS = (
+    class_default("MambaManager", "sparkcache_retired", "lease_accounting"),
     Edit(
         function="MambaManager.__init__",
         mode="insert_after",

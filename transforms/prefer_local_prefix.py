@@ -34,7 +34,7 @@ to the reconciled depth.
 
 from __future__ import annotations
 
-from transforms import Edit, Transform
+from transforms import Edit, Transform, class_default
 
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
 KEY = "sparkcache_prefer_local_prefix"
@@ -63,7 +63,7 @@ if connector is not None and connector.supports_divergent_local_hybrid_hits:
     return self.kv_cache_manager.get_computed_blocks_for_connector(request)
 """,
     new="""
-# getattr: upstream tests call this method on a stand-in `self`.
+# getattr: upstream tests call this method on a SimpleNamespace `self` (no class default there).
 if connector is not None and getattr(self, "sparkcache_prefer_local_prefix", None) is not None:
     return self.sparkcache_prefer_local_prefix.local_hit(request)
 if connector is not None and connector.supports_divergent_local_hybrid_hits:
@@ -134,5 +134,12 @@ TRANSFORM = Transform(
             "Absent/false: upstream behaviour."
         )
     },
-    edits={SCHEDULER: (_READ_OPTION, _DIVERGENT_LOOKUP, _ASK_CONNECTOR)},
+    edits={
+        SCHEDULER: (
+            class_default("Scheduler", "sparkcache_prefer_local_prefix", "prefer_local_prefix"),
+            _READ_OPTION,
+            _DIVERGENT_LOOKUP,
+            _ASK_CONNECTOR,
+        )
+    },
 )

@@ -140,19 +140,6 @@ class Collector:
         deleted, _ = self.delete_deferred(protected, only=freed)
         return reclaimed + deleted
 
-    def drop_manifests(self, entry_ids: Sequence[str], clock: PassClock | None = None) -> int:
-        """[gc lock] Unlink manifests (not yet fsynced; in parallel) and defer the objects
-        they alone referenced. Returns the manifests' bytes. With ``clock`` the unlinks are
-        timed as one unit."""
-        reclaimed, paths = 0, []
-        for entry_id in entry_ids:
-            path, nbytes, _ = self.forget(entry_id)
-            if path is not None:
-                paths.append(path)
-                reclaimed += nbytes
-        self.unlink(paths, clock)
-        return reclaimed
-
     def forget(self, entry_id: str) -> tuple[str | None, int, list[str]]:
         """[gc lock] Drop an entry from the catalog and mark its manifest's directory
         unsynced; the caller unlinks the returned path. Returns (path, manifest bytes,

@@ -176,3 +176,25 @@ def test_pool_basis_expected_peak():
     # Growth stops at --new-conversation-after: a long run's peak is capped per agent.
     long = cfg("--duration", "100000", "--new-conversation-after", "500")
     assert long["expected_peak_context_tokens"] == long["starting_context_tokens"] + 3 * 500
+
+
+
+def test_a_step_that_completes_a_prefill_is_costed_as_prefill():
+    # Replay A's cost model reads each request's progress after schedule(), which has already
+    # advanced num_computed_tokens by the step's chunk: the chunk that completes a prompt (a
+    # whole 16-token prompt; the last of an 80-token prompt's chunks) is still prefill, and only
+    # the steps after it decode. Once counted as decode, with no prefill tokens.
+    from bench.replay_a_sim import step_cost
+    from testing.vllm_scheduler import make_request, make_scheduler, step
+
+    scheduler = make_scheduler(None, max_model_len=1024, max_num_batched_tokens=32)  # chunks of 32 at most
+    for rid, prompt in (("one-chunk", range(100, 116)), ("chunked", range(200, 280))):
+        request = make_request(rid, list(prompt), max_tokens=3)
+        scheduler.add_request(request)
+        costs = []
+        while not request.is_finished():
+            step(scheduler, on_scheduled=lambda out: costs.append(
+                (out.num_scheduled_tokens[rid], *step_cost(scheduler, out))))
+        prefill = [n for n, _, _ in costs[:-2]]
+        assert sum(prefill) == len(prompt), costs
+        assert costs == [(n, n, False) for n in prefill] + [(1, 0, True)] * 2, costs
