@@ -1,9 +1,10 @@
 """vLLM's own ``ExampleConnector`` hands a flipped byte to the model; sparkcache refuses it.
 
-Three engine lives (each its own process) on one ``shared_storage_path``, CPU, tiny model:
+One engine life in three rounds on one ``shared_storage_path``, CPU, tiny model, each round
+after the first on an emptied GPU prefix cache (contracts/engine_driver.py, ``"phases"``):
 
 1. cold: ExampleConnector stores the prompt's KV as one safetensors file per layer;
-2. restart, files intact: the KV is loaded (vLLM counts the external hit) and the output is
+2. files intact: the KV is loaded (vLLM counts the external hit) and the output is
    the cold run's (so the connector works here and any later difference is the flip's);
 3. one byte of one stored file flipped (the top byte of one float32 value, in the data
    region, not the header): the file still loads without any error, the loaded tensor
@@ -47,22 +48,26 @@ def _flip(path: Path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("example_store")
-    cfg = {"model": tiny_model, "prompts": [PROMPT], "max_tokens": 16, "block_size": BLOCK,
-           "connector": "example", "example_path": str(storage)}
-    out = {"cold": run_engine(cfg)}
-    files = sorted(storage.rglob("*.safetensors"))
-    out["files"] = [str(f) for f in files]
-    out["intact"] = run_engine(cfg)
     import safetensors.torch as st
 
-    victim = files[-1]  # the last attention layer's file
-    before = st.load_file(str(victim))["kv_cache"].clone()
-    out["flip"] = _flip(victim)
-    after = st.load_file(str(victim))["kv_cache"]  # loads without error
-    out["changed_elems"] = int((before.flatten() != after.flatten()).sum())
-    out["changed_value"] = (float(before.flatten()[out["flip"][0]]), float(after.flatten()[out["flip"][0]]))
-    out["corrupt"] = run_engine(cfg)
+    storage = tmp_path_factory.mktemp("example_store")
+    out = {}
+
+    def between(phase: int, _done: list[dict]) -> None:
+        files = sorted(storage.rglob("*.safetensors"))
+        if phase == 1:
+            out["files"] = [str(f) for f in files]
+            return
+        victim = files[-1]  # the last attention layer's file
+        before = st.load_file(str(victim))["kv_cache"].clone()
+        out["flip"] = _flip(victim)
+        after = st.load_file(str(victim))["kv_cache"]  # loads without error
+        out["changed_elems"] = int((before.flatten() != after.flatten()).sum())
+        out["changed_value"] = (float(before.flatten()[out["flip"][0]]), float(after.flatten()[out["flip"][0]]))
+
+    cfg = {"model": tiny_model, "max_tokens": 16, "block_size": BLOCK, "connector": "example",
+           "example_path": str(storage), "phases": [{"prompts": [PROMPT]}] * 3}
+    out["cold"], out["intact"], out["corrupt"] = run_engine(cfg, between=between)["phases"]
     return out
 
 
