@@ -131,7 +131,8 @@ class Catalog:
 
     def forget(self, entry_id: str) -> tuple[str | None, int, list[str]]:
         """Remove an entry from the view and defer the objects only it referenced (they stay
-        counted as used until deleted). Returns (its manifest's path, the manifest's bytes,
+        counted as used until deleted); until ``unlinked``, a listing that still finds its
+        manifest does not read it back in. Returns (its manifest's path, the manifest's bytes,
         the deferred digests); (None, 0, []) when it is not in the view."""
         index = self.index
         entry = index.entries.get(entry_id)
@@ -141,7 +142,17 @@ class Catalog:
         freed = index.remove(entry_id)
         for digest in freed:
             index.deferred[digest] = sizes[digest]
+        index.unlinking[entry.path] = entry.inode  # not read back in until ``unlinked``
         return entry.path, allocated(entry.manifest_bytes, index.alloc_unit), freed
+
+    def unlinked(self, paths: list[str] | None = None) -> None:
+        """The collector is done unlinking these forgotten entries' manifests (None: every
+        one; a pass starts with none of its own in flight). One that could not be unlinked
+        is read back in by the next listing, its objects with it."""
+        if paths is None:
+            self.index.unlinking.clear()
+        for path in paths or ():
+            self.index.unlinking.pop(path, None)
 
     def deferred_digests(self, only: set[str] | None = None) -> list[str]:
         """The deferred objects (with ``only``: those of them in it)."""

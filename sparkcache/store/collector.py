@@ -74,6 +74,7 @@ class Collector:
         that order, so an entry published meanwhile is seen by one of them)."""
         protected, _ = read_live_intents(self.layout)
         with self.lock:
+            self.catalog.unlinked()  # the gc lock's holder unlinks: none of ours is in flight
             self.catalog.refresh(force=True)
         return protected
 
@@ -129,21 +130,22 @@ class Collector:
         """[gc lock] Evict entries completely: manifests, fsync, then the objects only they
         referenced. Returns bytes reclaimed. ``protected`` comes from ``refresh_view``.
         Deletes only these entries' objects; older deferred work is the next pass's."""
-        reclaimed, freed = 0, set()
+        reclaimed, freed, paths = 0, set(), []
         for entry_id in entry_ids:
             path, nbytes, digests = self.forget(entry_id)
             if path is not None:
                 reclaimed += nbytes
                 freed.update(digests)
-                self._unlink_quietly(path)
+                paths.append(path)
+        self.unlink(paths)
         self.sync_dropped()
         deleted, _ = self.delete_deferred(protected, only=freed)
         return reclaimed + deleted
 
     def forget(self, entry_id: str) -> tuple[str | None, int, list[str]]:
         """[gc lock] Drop an entry from the catalog and mark its manifest's directory
-        unsynced; the caller unlinks the returned path. Returns (path, manifest bytes,
-        deferred digests)."""
+        unsynced; the caller unlinks the returned path with ``unlink`` (until then no listing
+        reads it back in). Returns (path, manifest bytes, deferred digests)."""
         with self.lock:
             path, nbytes, freed = self.catalog.forget(entry_id)
             if path is not None:
@@ -151,13 +153,19 @@ class Collector:
             return path, nbytes, freed
 
     def unlink(self, paths: list[str], clock: PassClock | None = None) -> None:
-        """Unlink files in parallel. An unlink that frees data blocks can wait on the device
-        (ext4 with online discard issues the discard inside the unlink and waits for it,
-        queued behind pending writes); parallel unlinks share that wait."""
+        """[gc lock] Unlink the manifests of forgotten entries in parallel, then let listings
+        see them again (one that could not be unlinked comes back). An unlink that frees data
+        blocks can wait on the device (ext4 with online discard issues the discard inside the
+        unlink and waits for it, queued behind pending writes); parallel unlinks share that
+        wait."""
         if not paths:
             return
         work = lambda: parallel_map(self._unlink_quietly, paths, "maintenance")  # noqa: E731
-        clock.run("unlink_batch", work) if clock is not None else work()
+        try:
+            clock.run("unlink_batch", work) if clock is not None else work()
+        finally:
+            with self.lock:
+                self.catalog.unlinked(paths)
 
     def _unlink_quietly(self, path: str) -> None:
         try:

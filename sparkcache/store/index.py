@@ -70,6 +70,10 @@ class EntryIndex:
         # Objects of evicted entries, still on disk until maintenance deletes them: the
         # bytes they occupy.
         self.deferred: dict[str, int] = {}
+        # Manifests of entries the collector dropped from the view and is unlinking: path ->
+        # inode. A listing that still finds one must not read it back in (its objects would
+        # stay referenced, then be left on disk once the file is gone).
+        self.unlinking: dict[str, int] = {}
         # Files under manifests/ that are not manifests the store can read (links, FIFOs,
         # files where an identity directory belongs): path -> why. ``verify`` lists them.
         self.strays: dict[str, str] = {}
@@ -272,6 +276,8 @@ class EntryIndex:
         for entry_id, inode in seen.items():
             known = self.entries.get(entry_id)
             if known is not None and known.inode == inode:
+                continue
+            if self.unlinking and self.unlinking.get(self.layout.manifest_path(idd, entry_id)) == inode:
                 continue
             bad = self.bad.get(entry_id)
             if bad is not None and bad.inode == inode:

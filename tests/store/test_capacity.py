@@ -282,3 +282,51 @@ def test_discard_removes_entries_now_unless_it_cannot(tmp_path):
     assert not os.path.exists(store.objects.path(own)) and os.path.exists(store.objects.path(shared))
     assert store.discard([lone.entry_id]) == ()  # already gone
     assert verify_store(store.layout).ok
+
+
+def _refresh_before_each_manifest_unlink(store, monkeypatch):
+    """Another thread's lookup re-lists the manifests (the directory changed since the pass
+    listed it: its own unlinks and publications change it) in the window between the
+    collector dropping an entry from the view and unlinking its manifest file."""
+    real_unlink = type(store.layout).unlink
+
+    def unlink(layout, path):
+        if path.endswith(".mf"):
+            listed = os.stat(os.path.dirname(path)).st_mtime_ns
+            os.utime(os.path.dirname(path), ns=(listed - 10**9, listed - 10**9))
+            store.capacity()  # a lookup's refresh: the manifest is still on disk here
+        return real_unlink(layout, path)
+
+    monkeypatch.setattr(type(store.layout), "unlink", unlink)  # a frozen dataclass
+
+
+def test_a_refresh_while_a_pass_unlinks_manifests_brings_no_entry_back(tmp_path, monkeypatch):
+    # An entry read back in from its manifest between the collector forgetting it and
+    # unlinking the file held on to its objects ("referenced again"), so the pass skipped
+    # them; once the file was gone the next refresh dropped the entry and its objects were
+    # left on disk, neither counted as used nor reclaimed, until an orphan sweep reached them.
+    store = _small_store(tmp_path)
+    _fill(store, range(11))  # 11 entries = 88 KiB > 80 KiB
+    pages = [store.objects.path(p.digest) for e in store.entries() for p in e.manifest.pages]
+    _refresh_before_each_manifest_unlink(store, monkeypatch)
+    report = run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000),
+                      sweep_shards=0)
+    assert report.entries_evicted == 6 and report.deferred_objects == 0
+    assert report.bytes_reclaimed == 6 * 8192, report  # each entry's page and manifest
+    assert store.capacity().entries == 5 and store.capacity().used_bytes == 5 * 8192
+    assert sum(os.path.exists(p) for p in pages) == 5  # no object of an evicted entry is left
+    assert verify_store(store.layout).ok
+
+
+def test_a_refresh_while_discard_unlinks_manifests_brings_no_entry_back(tmp_path, monkeypatch):
+    # The same window in ``discard`` (the connector's scheduler drops shards whose siblings
+    # are missing while lookups run).
+    store = _small_store(tmp_path)
+    _fill(store, range(3))
+    gone = [store.lookup(IDENT, conv_keys(conv, 16)) for conv in (0, 1)]
+    pages = [store.objects.path(g.handle.pages[0].digest) for g in gone]
+    _refresh_before_each_manifest_unlink(store, monkeypatch)
+    assert store.discard([g.entry_id for g in gone]) == tuple(g.entry_id for g in gone)
+    assert store.capacity().entries == 1 and store.capacity().used_bytes == 8192
+    assert not any(os.path.exists(p) for p in pages)
+    assert verify_store(store.layout).ok
