@@ -15,7 +15,9 @@ tokens (schedule, cache_blocks, the Mamba state retired during decode), finishes
 delayed by the ProbeConnector (``_free_request``), is released by ``finished_sending``
 (``_update_from_kv_xfer_finished``, ``_free_blocks``, ``pop_blocks_for_free``), then
 ``make_stats``, then a second request repeating the conversation is admitted (the local-hit lookup
-and the connector query). The result names each stage reached and the first error, if any.
+and the connector query). The result names the hooks the built objects had attached (and the copy
+left out: none on the pristine tree or with the options off), each stage reached and the first
+error, if any.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def run(options_on: bool) -> dict:
     built = h.make_scheduler(h.probe_connector(extra), num_blocks=NUM_BLOCKS)
     scheduler = _copy_without_init(built)
     coordinator = scheduler.kv_cache_manager.coordinator
+    attached = sorted({k for obj in (built, *coordinator.single_type_managers) for k, v in vars(obj).items()
+                       if k.startswith(PREFIX) and v is not None})
     coordinator.single_type_managers = tuple(
         _copy_without_init(m) if isinstance(m, MambaManager) else m for m in coordinator.single_type_managers
     )
@@ -70,6 +74,7 @@ def run(options_on: bool) -> dict:
     return {
         "type": type(scheduler).__name__ if isinstance(scheduler, Scheduler) else None,
         "copied_managers": sorted(type(m).__name__ for m in coordinator.single_type_managers),
+        "hooks_left_out": attached,
         "stages_passed": passed,
         "error": error,
     }

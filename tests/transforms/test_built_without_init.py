@@ -17,6 +17,8 @@ SCENARIO_CALLS = [
     ("transformed", SCENARIO, {"options_on": False}),
 ]
 STAGES = ["run_to_completion", "finished_sending", "make_stats", "next_turn_admitted"]
+# What every option attaches (Scheduler, then MambaManager), all of it left out of the copy.
+HOOKS = ["sparkcache_decode_checkpoints", "sparkcache_leases", "sparkcache_prefer_local_prefix", "sparkcache_retired"]
 
 
 @pytest.mark.parametrize(
@@ -26,5 +28,6 @@ def test_objects_built_without_init_pass_every_call_site(scenario, tree, options
     got = scenario(tree, SCENARIO, options_on=options_on)
     assert got["type"] == "Scheduler"
     assert got["copied_managers"] == ["FullAttentionManager", "MambaManager"]
+    assert got["hooks_left_out"] == (HOOKS if tree == "transformed" and options_on else [])
     assert got["error"] is None
     assert got["stages_passed"] == STAGES
