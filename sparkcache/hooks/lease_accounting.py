@@ -83,8 +83,9 @@ class GpuLeases:
         return sum(num_blocks for _, _, num_blocks in self._leases.values())
 
     def start(self, request: Request) -> None:
-        """The KV connector delayed the finished request's free (no load in flight): lease its blocks and re-reference its
-        retired checkpoints (ref_cnt += 1 takes one out of the free queue)."""
+        """The KV connector delayed the finished request's free (no load in flight): lease its
+        blocks and re-reference its retired checkpoints (ref_cnt += 1 takes one out of the free
+        queue)."""
         manager = self._scheduler.kv_cache_manager
         checkpoints: list[KVCacheBlock] = []
         for single in manager.coordinator.single_type_managers:

@@ -1,4 +1,5 @@
 import json
+import os
 import random
 from pathlib import Path
 from typing import Callable
@@ -55,6 +56,16 @@ def metric(result: dict, name: str, **labels) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             total += value
     return total
+
+
+def flip_byte(path, divisor: int = 2) -> bytes:
+    """Flip the low bit of the byte at ``len // divisor`` of a stored file (made writable first:
+    the store keeps its objects read-only); returns the file's new bytes."""
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // divisor] ^= 0x01
+    os.chmod(path, 0o644)
+    Path(path).write_bytes(bytes(data))
+    return bytes(data)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:

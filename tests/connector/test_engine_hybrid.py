@@ -33,7 +33,7 @@ import pytest
 
 from sparkcache.store import PageStore
 
-from .conftest import long_prompt, metric, run_engine
+from .conftest import flip_byte, long_prompt, metric, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -77,12 +77,8 @@ def runs(spec, tmp_path_factory):
     out["entry"] = (entry.manifest.block_count, entry.manifest.state.size)
 
     def between(phase: int, _done: list[dict]) -> None:
-        state_path = store.objects.path(entry.manifest.state.digest)
         if phase == 1:  # after the restore: one byte of the stored state flipped
-            data = bytearray(open(state_path, "rb").read())
-            data[len(data) // 3] ^= 0x01
-            with open(state_path, "wb") as f:
-                f.write(data)
+            flip_byte(store.objects.path(entry.manifest.state.digest), 3)
             return
         try:  # removed as corrupt, then written again by the refused request's own capture
             store.objects.check_verified(entry.manifest.state.digest, entry.manifest.state.size)

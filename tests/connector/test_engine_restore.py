@@ -35,7 +35,7 @@ from sparkcache.store import PageStore
 
 from mounts import read_only_view
 
-from .conftest import long_prompt, metric, run_engine, snapshot
+from .conftest import flip_byte, long_prompt, metric, run_engine, snapshot
 
 pytestmark = [pytest.mark.engine, pytest.mark.root, pytest.mark.slow]
 
@@ -54,17 +54,16 @@ def runs(tiny_model, tmp_path_factory):
     out["cold"] = run_engine(rw)
     out["after_cold_snapshot"] = snapshot(root)
 
+    flipped: dict[Path, bytes] = {}  # the object and its flipped bytes
+
     def between(phase: int, _done: list[dict]) -> None:
         if phase == 1:  # after the restore: one byte of one stored object flipped
             objects = sorted(p for p in (root / "default" / "objects").rglob("*") if p.is_file())
             victim = objects[len(objects) // 2]
-            data = bytearray(victim.read_bytes())
-            data[len(data) // 2] ^= 0x01
-            victim.write_bytes(bytes(data))
-            out["victim"], out["victim_data"] = victim, bytes(data)
+            flipped[victim] = flip_byte(victim)
         else:
-            victim = out.pop("victim")
-            out["victim_after_corrupt"] = victim.exists() and victim.read_bytes() == out.pop("victim_data")
+            ((victim, data),) = flipped.items()
+            out["victim_after_corrupt"] = victim.exists() and victim.read_bytes() == data
 
     later = run_engine({**rw, "phases": [{"prompts": [PROMPT]}] * 3}, between=between)
     out["restored"], out["corrupt"], out["healed"] = later["phases"]
@@ -162,11 +161,7 @@ def long_runs(tmp_path_factory):
         store = PageStore(str(root), read_only=True)
         (entry,) = store.catalog.entries()
         pages = entry.manifest.pages
-        victim = Path(store.objects.path(pages[len(pages) // 2].digest))
-        data = bytearray(victim.read_bytes())
-        data[len(data) // 3] ^= 0x01
-        victim.chmod(0o644)
-        victim.write_bytes(bytes(data))
+        flip_byte(store.objects.path(pages[len(pages) // 2].digest), 3)
         out["pages"] = len(pages)
 
     later = run_engine({**rw, "phases": [{"prompts": [LONG_PROMPT]}] * 2}, timeout=900, between=between)

@@ -33,7 +33,7 @@ import pytest
 from sparkcache.connector.keys import BlockKeys
 from sparkcache.store import Identity, PageStore
 
-from .conftest import long_prompt, metric
+from .conftest import flip_byte, long_prompt, metric
 from .conftest import run_engine as _run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -73,12 +73,7 @@ def _damage_rank_1(root) -> None:
     """Rank 1's shard of prompt A corrupted (one byte of one object), its shard of prompt B
     deleted (the objects rank 0's shard does not share)."""
     store, a = _shard(root, PROMPTS[0], 1)
-    victim = store.objects.path(a.manifest.pages[len(a.manifest.pages) // 2].digest)
-    data = bytearray(open(victim, "rb").read())
-    data[len(data) // 2] ^= 0x01
-    os.chmod(victim, 0o644)
-    with open(victim, "wb") as f:
-        f.write(data)
+    flip_byte(store.objects.path(a.manifest.pages[len(a.manifest.pages) // 2].digest))
     store, b = _shard(root, PROMPTS[1], 1)
     _, a0 = _shard(root, PROMPTS[0], 0)
     shared = {p.digest for p in a0.manifest.pages}

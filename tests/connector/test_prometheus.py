@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import REPO
+from .conftest import REPO, flip_byte
 from .test_serve_chat import _free_port, _get, converse, serve, settled_metrics
 
 pytestmark = [pytest.mark.engine, pytest.mark.root, pytest.mark.slow]
@@ -99,10 +99,7 @@ def _flip_every_object(root: Path) -> int:
     n = 0
     for path in (root / "default" / "objects").rglob("*"):
         if path.is_file():
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2] ^= 0x01
-            os.chmod(path, 0o644)
-            path.write_bytes(bytes(data))
+            flip_byte(path)
             n += 1
     return n
 

@@ -19,6 +19,7 @@ import torch
 from sparkcache.connector.keys import BlockKeys
 from sparkcache.connector.scheduler_side import CapturePlan, LoadPlan, StoredPages
 
+from .conftest import flip_byte
 from .test_worker_maintenance import BLOCK, NUM_BLOCKS, _worker
 
 STORED_BLOCKS = 20  # 2 pages of 16 blocks (page_blocks default), the second one partial
@@ -139,11 +140,7 @@ def test_a_flipped_byte_in_a_32k_token_restore_places_nothing(tmp_path):
             kv[dest] = 0
         victim = plan.stored.pages[40]
         path = worker.store.objects.path(victim.digest)
-        data = bytearray(open(path, "rb").read())
-        data[len(data) // 3] ^= 0x01
-        os.chmod(path, 0o644)
-        with open(path, "wb") as f:
-            f.write(data)
+        flip_byte(path, 3)
         worker.load(plan)
         assert worker.take_sync_outcomes() == ([], ["r"])
         assert worker.take_invalid_block_ids() == set(dest)  # vLLM recomputes them all
