@@ -25,8 +25,14 @@ def test_every_scenario_was_recorded():
     assert MODULES and sorted(EXPECTED) == MODULES
 
 
+@pytest.fixture(scope="module")
+def in_this_image() -> dict[str, dict]:
+    """Every scenario module both ways, in one interpreter (one import of vLLM for them all)."""
+    return scenarios_both_ways(None, MODULES, env=config_env(PYTHONPATH=str(HOME)))
+
+
 @pytest.mark.parametrize("module", MODULES)
-def test_scenario_matches_the_tested_tree(module):
-    got = scenarios_both_ways(None, [module], env=config_env(PYTHONPATH=str(HOME)))[module]
+def test_scenario_matches_the_tested_tree(in_this_image, module):
+    got = in_this_image[module]
     assert got == EXPECTED[module]
     assert got["options_on"] != got["options_off"], "the transform changes nothing with its options on"
