@@ -13,6 +13,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 IDENT = Identity("tiny-llama", "fp16:L2:H4:D32", 16, 0, "lock-abc")
 
 
+def stopped_clock() -> float:
+    """A clock for ``run_pass(timer=)`` that never advances: the pass then stops on its work
+    and its entry and byte budgets only, never on time, however busy the machine (a test whose
+    subject is not pacing; test_pacing.py tests the pacing)."""
+    return 0.0
+
+
 def conv_keys(conv: int, n: int) -> list[str]:
     """Chained block hashes of conversation ``conv`` (a linear chain, so position-unique)."""
     return [f"c{conv}-b{i}" for i in range(n)]

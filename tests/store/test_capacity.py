@@ -5,7 +5,7 @@ import os
 import time
 
 from sparkcache.store import MaintenanceThread, PassBudget, run_pass, verify_store
-from store_helpers import IDENT, conv_keys, conv_pages, open_store
+from store_helpers import IDENT, conv_keys, conv_pages, open_store, stopped_clock
 
 PAGE = 4096  # 16 blocks * 256 bytes: one filesystem block per page
 
@@ -148,8 +148,8 @@ def test_orphans_are_collected_but_not_live_publications(tmp_path):
     with Staging(store.layout) as inflight:
         inflight.declare([d_live])
         store.objects.write(d_live, live, inflight.temp_path("y"))
-        report = run_pass(store, PassBudget(), sweep_shards=256)
-        assert report.orphans_collected == 1
+        report = run_pass(store, PassBudget(), sweep_shards=256, timer=stopped_clock)
+        assert report.orphans_collected == 1, report
         assert not os.path.exists(store.objects.path(d_orphan))
         assert os.path.exists(store.objects.path(d_live))  # protected by the live intent
     assert verify_store(store.layout).ok and store.lookup(IDENT, conv_keys(1, 16)).hit
