@@ -12,7 +12,10 @@ venv: $(STAMP)
 
 $(STAMP): $(LOCK) pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r $(LOCK)
+	@# --no-compile, then compileall on every core: pip byte-compiles on one (docs/RESULTS.md, "Test suite time").
+	@# Like pip, it skips what is not Python 3.11 (torch ships a py312 test file): a speed-up, not a check.
+	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps --no-compile -r $(LOCK)
+	$(VENV)/bin/python -m compileall -qq -j 0 "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	@# pip may have pulled CUDA builds of these in an earlier, unpinned install: they break `import vllm`.
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
