@@ -9,15 +9,10 @@ the time, so it also runs upstream's own tests on the transformed tree against t
 CPU-bound, often on one core. Side by side they share the two cores instead of taking turns. Each line of output carries its lane's name; each
 lane's whole output is also kept in .cache/test-logs/LANE.log. Exits non-zero if either lane
 fails, after both have finished.
-
-The lanes run with ``OMP_WAIT_POLICY=PASSIVE`` unless it is set: with two lanes on two cores, an
-engine life's OpenMP threads that spin at their barriers take the core the other lane needs
-(docs/RESULTS.md, "Test suite time"). Only the threads' waiting changes, not what they compute.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -48,12 +43,11 @@ def main(argv: list[str]) -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     started = time.monotonic()
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
     procs, pumps = {}, []
     for name, paths in LANES.items():
         cmd = [sys.executable, "-m", "pytest", *paths, *argv]
         print(f"[{name}] {' '.join(cmd[2:])}  (log: {LOGS / name}.log)", flush=True)
-        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         pump = threading.Thread(target=_pump, args=(name, procs[name], LOGS / f"{name}.log", lock), daemon=True)
         pump.start()
         pumps.append(pump)
