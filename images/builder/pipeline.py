@@ -264,6 +264,12 @@ def plan(spec: Spec, registry: str | None) -> dict:
     }
 
 
+def _timed(fn, *args):
+    """(fn(*args), the seconds it took, for the receipt's stage timings)."""
+    t = time.monotonic()
+    return fn(*args), round(time.monotonic() - t, 1)
+
+
 def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_cache: bool = False, receipt_path: Path | None = None) -> str:
     t_start = time.monotonic()
     started = dt.datetime.now(dt.timezone.utc)
@@ -281,15 +287,9 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
     sde = source_date_epoch()
     revision = revision_of()
 
-    t = time.monotonic()
-    base_ref, base = layers.resolve_base(client, spec, registry)
-    timings["base_s"] = round(time.monotonic() - t, 1)
-    t = time.monotonic()
-    stage, wheels = layers.resolve_wheels(spec)
-    timings["wheelhouse_s"] = round(time.monotonic() - t, 1)
-    t = time.monotonic()
-    wheels_tag, wheels_info = layers.wheels_image(client, spec, base_ref, stage)
-    timings["wheels_stage_s"] = round(time.monotonic() - t, 1)
+    (base_ref, base), timings["base_s"] = _timed(layers.resolve_base, client, spec, registry)
+    (stage, wheels), timings["wheelhouse_s"] = _timed(layers.resolve_wheels, spec)
+    (wheels_tag, wheels_info), timings["wheels_stage_s"] = _timed(layers.wheels_image, client, spec, base_ref, stage)
     files, manifest = transformed_files(client, wheels_tag, spec, lock)
     scenarios = record_scenarios(lock)
     sc_wheel, sc_wheel_sha, sc_version = layers.sparkcache_wheel(sde)
@@ -366,9 +366,7 @@ def build(spec_path: Path, registry_arg: str | None, dry_run: bool = False, no_c
 
     tag = f"{spec.vllm_version}-{image.id.split(':')[1][:12]}"
     image.tag(registry, tag)
-    t = time.monotonic()
-    digest = push(client, registry, tag)
-    timings["push_s"] = round(time.monotonic() - t, 1)
+    digest, timings["push_s"] = _timed(push, client, registry, tag)
     ref = f"{registry}@{digest}"
     image.reload()
     rootfs = image.attrs["RootFS"]["Layers"]
