@@ -1,7 +1,8 @@
 """One engine life in a fresh process: start ``vllm.LLM`` on CPU, generate, report JSON, exit.
 
-Used by the host suite (tests/connector) and by the contract suite inside an image, through
-``run_in_fresh_process``; on its own:
+Used by the host suite (tests/connector), the benchmarks and the contract suite inside an
+image, through ``run_in_fresh_process``, which gives each life a private ``/dev/shm``
+(contracts/private_shm.py) where it can, and never removes anything from the host's; on its own:
 
     python -m contracts.engine_driver '{"model": DIR, "connector": "sparkcache"|"example"|"none",
         "extra": {...}, "prompts": [[ids...]], "max_tokens": 16, "block_size": 32}'   (or @FILE holding that JSON)
@@ -55,6 +56,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+from contracts.private_shm import MARKER
 
 
 def run(cfg: dict) -> dict:
@@ -241,10 +244,19 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
     """``python -m *command @FILE`` (``FILE``: the JSON of ``cfg``; ``load_cfg`` reads it) in a new interpreter (its own session, killed with its
     group afterwards: engine processes ignore SIGTERM), with ``cwd`` first on PYTHONPATH; the
     child prints one ``ENGINE-RESULT {json}`` line. Returns that JSON plus ``log`` (the tail of
-    its output); raises RuntimeError with that output when the child fails. ``env`` adds to
-    (or overrides) this process's environment for the child; its ``PYTHONPATH`` goes first.
+    its output) and ``shm`` (below); raises RuntimeError with that output when the child fails.
+    ``env`` adds to (or overrides) this process's environment for the child; its ``PYTHONPATH`` goes first.
     ``between(i, phases_done)`` runs here before phase ``i`` (1, 2, ...) of a life with
-    ``"phases"``, while the engine waits (e.g. to damage the store it serves)."""
+    ``"phases"``, while the engine waits (e.g. to damage the store it serves).
+
+    The life runs with a private ``/dev/shm`` (contracts/private_shm.py): what its processes
+    leave there (vLLM's shared-memory rings; a killed engine never unlinks its segments) goes
+    with them, and nothing of another program's (a ``vllm serve`` beside a bench, its
+    multiprocessing semaphores) is touched; ``shm`` is then ``{"private": true}``. Where no
+    namespace can be made, the life shares the host's ``/dev/shm`` and nothing is removed: no
+    file there says which process made it (glibc maps a semaphore under a temporary name, so
+    ``/proc/*/maps`` never shows ``sem.mp-*``), so nothing new is provably the life's; ``shm`` is ``{"private": false, "reason": ..., "left": [the
+    entries that appeared during the life]}`` and a line on stderr names them."""
     extra = dict(env or {})
     first = extra.pop("PYTHONPATH", None)  # e.g. a transformed vLLM tree, ahead of cwd
     env = dict(os.environ, **extra, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
@@ -258,7 +270,8 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
             tempfile.TemporaryDirectory() as pause_dir:
         json.dump({**cfg, "pause_dir": pause_dir} if between else cfg, cfg_file)
         cfg_file.flush()
-        p = subprocess.Popen([sys.executable, "-m", *command, "@" + cfg_file.name],
+        p = subprocess.Popen([sys.executable, str(Path(__file__).with_name("private_shm.py")), "--",
+                              sys.executable, "-m", *command, "@" + cfg_file.name],
                              cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
             _wait(p, timeout, Path(pause_dir), between)
@@ -267,16 +280,17 @@ def run_in_fresh_process(cfg: dict, cwd: Path, timeout: int = 500,
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            _remove_new_shm(shm_before)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
+    shm = _shm_report(stderr, shm_before)
     for line in stdout.splitlines():
         if line.startswith(RESULT_MARKER):
             result = json.loads(line[len(RESULT_MARKER):])
             # the log without the result line (a 32K-token prompt's ids alone fill 130 KB)
             logged = "\n".join(x for x in stdout.splitlines() if not x.startswith(RESULT_MARKER))
             result["log"] = logged[-20000:] + stderr[-20000:]
+            result["shm"] = shm
             return result
     raise RuntimeError(f"engine life `python -m {' '.join(command)} @CFG_FILE` failed (rc={p.returncode}, "
                        f"timeout {timeout} s); its output ends:\n{stdout[-4000:]}\n{stderr[-8000:]}")
@@ -310,43 +324,21 @@ def _shm_entries() -> set[str]:
         return set()
 
 
-def _shm_in_use() -> set[str]:
-    """Names under /dev/shm that a live process has open or mapped (/proc/*/fd, /proc/*/maps)."""
-    used: set[str] = set()
-    prefix = str(_SHM) + "/"
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(prefix):
-                    used.add(target[len(prefix):].split(" ")[0])
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    at = line.find(prefix)
-                    if at >= 0:
-                        used.add(line[at + len(prefix):].split(" ")[0].strip())
-        except OSError:
-            continue  # gone, or not ours to read
-    return used
-
-
-def _remove_new_shm(before: set[str]) -> None:
-    """Remove the shared-memory segments this life left (vLLM's multi-process workers and
-    its CPU all-reduce create some and, killed, never unlink them): the entries of /dev/shm
-    that are new since it started, owned by this user, and that no live process has open or
-    mapped (another engine running meanwhile keeps its own)."""
-    uid = os.getuid()
-    new = _shm_entries() - before
-    if not new:
-        return
-    in_use = _shm_in_use()
-    for name in new - in_use:
-        path = _SHM / name
-        try:
-            if path.lstat().st_uid == uid and not path.is_dir():
-                path.unlink()
-        except OSError:
-            pass
+def _shm_report(stderr: str, before: set[str]) -> dict:
+    """What ``run_in_fresh_process`` says of the life's ``/dev/shm`` (its doc), from the
+    ``PRIVATE-SHM`` line that contracts/private_shm.py wrote first on the life's stderr."""
+    status = next((x[len(MARKER):] for x in stderr.splitlines() if x.startswith(MARKER)),
+                  "no: contracts/private_shm.py reported nothing")
+    if status == "yes":
+        return {"private": True}
+    reason = status.removeprefix("no: ")
+    left = sorted(_shm_entries() - before)
+    print(f"engine life: no private /dev/shm ({reason}); removed nothing: left in place the {len(left)} "
+          f"/dev/shm entries that appeared during it (some may be other programs'): {', '.join(left) or 'none'}; "
+          "fix: run it as root, or where the kernel allows user namespaces (user.max_user_namespaces > 0; "
+          "Debian: kernel.unprivileged_userns_clone=1; Ubuntu: kernel.apparmor_restrict_unprivileged_userns=0), "
+          "or in Docker with --cap-add SYS_ADMIN; remove yourself what you know to be the engine's", file=sys.stderr, flush=True)
+    return {"private": False, "reason": reason, "left": left}
 
 
 def load_cfg(arg: str) -> dict:
