@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-16)
 SDIST_DIR := .cache/sdist
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-upstream-full sdist clean
+.PHONY: venv test test-upstream-full sdist clean host-setup
 
 venv: $(STAMP)
 
@@ -28,8 +28,12 @@ sdist: venv
 
 # Two pytest processes side by side (tests/lanes.py): the image lane (tests/image_build, upstream's
 # tests on the transformed tree, the restore engine lives) and the rest.
-test: venv sdist docker-setup
+test: venv sdist docker-setup host-setup
 	$(VENV)/bin/python -m tests.lanes $(PYTEST_ARGS)
+
+# What the host tests need beyond the venv and Docker (Debian's libfuse2 for tests/faultfs.py).
+host-setup:
+	bash tests/setup-host.sh
 
 # Upstream's full tests/v1/core and tests/v1/kv_connector/unit on both trees (slow: docs/RUNTIME_CONTRACT.md has its time).
 test-upstream-full: venv sdist

@@ -12,7 +12,7 @@ this thread:
 
 - ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``):
   what the disk or page cache gives, no hashing, no placement;
-- ``verify``: the objects mapped and BLAKE3-verified (``ObjectStore.read_many_verified``, as
+- ``verify``: the objects read and BLAKE3-verified (``ObjectStore.read_many_verified``, as
   the worker calls it), nothing placed;
 - ``place``: the verified pages copied into the destination blocks (the worker's placement
   loop on pages already in memory);
@@ -96,7 +96,7 @@ def point(tokens: int, reps: int, cold: bool, work: Path) -> dict:
                 evict(paths)
             plan = LoadPlan("r", keys, 0, [dest], sync=True, stored=stored)
             t = time.perf_counter()
-            pages = worker.store.objects.read_many_verified(list(stored.pages), mapped=True,
+            pages = worker.store.objects.read_many_verified(list(stored.pages),
                                                             parallel=worker.read_in_parallel)
             times["verify"].append(time.perf_counter() - t)
             t = time.perf_counter()

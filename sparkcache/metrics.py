@@ -151,8 +151,10 @@ COUNTERS: tuple[CounterMetric, ...] = (
              "(SPARKCACHE_MAINTENANCE_MAX_MS) plus 20%, the bound a pass keeps: a slow disk, or "
              "the worker's cores taken.", None, {"maintenance_overrun": ""}),
     _counter("maintenance_passes_stopped", "Maintenance passes that gave up: the store's lock "
-             "stayed held past the wait bound (lock) or the filesystem failed (error).", "reason",
-             {"maintenance_stopped_lock": "lock", "maintenance_stopped_error": "error"}),
+             "stayed held past the wait bound (lock), the filesystem failed (error), or a listing or "
+             "read of the store failed, so nothing was evicted or deleted (unknown).", "reason",
+             {"maintenance_stopped_lock": "lock", "maintenance_stopped_error": "error",
+              "maintenance_stopped_unknown": "unknown"}),
 )
 
 # A worker's gauge carries a ``rank`` label: each tensor-parallel rank has its own slots,
@@ -171,6 +173,9 @@ GAUGES: tuple[GaugeMetric, ...] = (
     GaugeMetric("filesystem_floor_bytes", "SPARKCACHE_MIN_FREE_BYTES: the free space maintenance "
                 "keeps (0: no floor).", "floor_bytes"),
     GaugeMetric("entries", "Published entries in the store.", "entries"),
+    GaugeMetric("unreadable_paths", "Manifests and store directories that the last attempt could "
+                "not list or read (EIO, EACCES): retried every refresh; while any is unreadable "
+                "nothing is evicted or deleted.", "unreadable_paths"),
     GaugeMetric("captures_unsettled", "Planned captures whose outcome the workers have not "
                 "reported yet.", "unsettled_captures", per_rank=False),
     GaugeMetric("maintenance_last_pass_duration_seconds", "Wall time of the last maintenance pass.",
@@ -286,7 +291,8 @@ def store_gauges(store: PageStore) -> dict[str, float]:
     stats and what ``sparkcache status`` prints."""
     gauges: dict[str, float] = {}
     cap = store.capacity()
-    gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries)
+    gauges.update(used_bytes=cap.used_bytes, max_bytes=cap.max_bytes, entries=cap.entries,
+                  unreadable_paths=cap.unreadable)
     try:
         gauges.update(free_bytes=store.free_bytes(), floor_bytes=store.min_free_bytes)
     except OSError:
@@ -316,12 +322,12 @@ def render_capacity_line(snapshots: Sequence[CapacitySnapshot]) -> str:
     """``sparkcache: capacity ranks=R entries=N used=X.X/Y.YGiB healthy=yes|no``.
 
     Sums over ranks; healthy means every rank is at or under its max bytes and has no
-    manifest that failed verification.
+    manifest that failed verification or could not be read.
     """
     entries = sum(s.entries for s in snapshots)
     used = sum(s.used_bytes for s in snapshots) / (1 << 30)
     limit = sum(s.max_bytes for s in snapshots) / (1 << 30)
     healthy = bool(snapshots) and all(s.used_bytes <= s.max_bytes and not s.bad_manifests
-                                      for s in snapshots)
+                                      and not s.unreadable for s in snapshots)
     return (f"sparkcache: capacity ranks={len(snapshots)} entries={entries} "
             f"used={used:.1f}/{limit:.1f}GiB healthy={'yes' if healthy else 'no'}")

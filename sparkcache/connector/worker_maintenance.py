@@ -54,6 +54,7 @@ class WorkerMaintenance:
             add_count(self._counters, "maintenance_overrun", int(report.overran))
             add_count(self._counters, "maintenance_stopped_lock", int(report.stopped_by == "lock"))
             add_count(self._counters, "maintenance_stopped_error", int(report.stopped_by == "error"))
+            add_count(self._counters, "maintenance_stopped_unknown", int(report.stopped_by == "unknown"))
             self._gauges.update(maintenance_last_pass_duration_seconds=report.duration_s,
                                 maintenance_remaining_entries=report.remaining_entries)
 

@@ -7,9 +7,9 @@ per-layer views with blocks at dim 0). A page whose size does not match this lay
 refused like a corrupt one.
 
 Restores read the pages the scheduler's lookup found (``LoadPlan.stored``; no second
-lookup) and map and verify (BLAKE3) every one of them before any byte is placed (read-only
-mappings of the immutable objects: hashed in the page cache, then copied once, into the
-blocks; ``ObjectStore.map_verified``); a failure of an asynchronous load reports the request
+lookup) and read and verify (BLAKE3) every one of them before any byte is placed (read with
+system calls, so a failing disk or a file truncated under the reader is a refused restore,
+never a signal; ``ObjectStore.read_verified``); a failure of an asynchronous load reports the request
 in ``finished_recving`` and ``failed_recving``, of a synchronous one (``plan.sync``: placed
 before this step's forward) its destination blocks as invalid
 (``get_block_ids_with_load_errors``) and the request in the worker meta (``sync_failed``);
@@ -202,7 +202,7 @@ class WorkerSide:
             return None
         wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
         try:
-            pages = self.store.read_pages(wanted, mapped=True, parallel=self.read_in_parallel)
+            pages = self.store.read_pages(wanted, parallel=self.read_in_parallel)
         except ObjectError as exc:
             logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
             self._add("lookup_miss_" + exc.reason)

@@ -78,6 +78,15 @@ class Catalog:
         return len(self.index.bad)
 
     @property
+    def complete(self) -> bool:
+        """Whether the last refresh listed and read everything (see ``EntryIndex.unknown``)."""
+        return self.index.complete
+
+    def unknown(self) -> dict[str, str]:
+        """Paths whose state could not be learned (a listing or read failed): path -> why."""
+        return dict(self.index.unknown)
+
+    @property
     def deferred_count(self) -> int:
         return len(self.index.deferred)
 

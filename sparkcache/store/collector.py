@@ -51,6 +51,19 @@ class ShardCursor:
         return shards
 
 
+class ViewIncomplete(Exception):
+    """A listing or a read the collector needs failed: what it would delete is not known to
+    be garbage, so it deletes nothing (the next pass tries again)."""
+
+    def __init__(self, unknown: dict[str, str]) -> None:
+        first = ", ".join(f"{path}: {why}" for path, why in list(unknown.items())[:3])
+        more = f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""
+        super().__init__(f"{len(unknown)} store path(s) could not be read, so nothing is evicted or "
+                         f"deleted until they can: {first}{more}; check the disk and its "
+                         "permissions (`sparkcache verify` lists them)")
+        self.unknown = unknown
+
+
 class Collector:
     def __init__(self, layout: StoreLayout, catalog: Catalog, objects: ObjectStore,
                  lock: threading.RLock) -> None:
@@ -71,12 +84,20 @@ class Collector:
 
     def refresh_view(self) -> set[str]:
         """[gc lock] Digests of live publications, then a full re-list of the manifests (in
-        that order, so an entry published meanwhile is seen by one of them)."""
+        that order, so an entry published meanwhile is seen by one of them). Raises
+        ``OSError`` when the live publications cannot be read; the view may come back
+        incomplete (``catalog.complete``), and then nothing may be deleted on it."""
         protected, _ = read_live_intents(self.layout)
         with self.lock:
             self.catalog.unlinked()  # the gc lock's holder unlinks: none of ours is in flight
             self.catalog.refresh(force=True)
         return protected
+
+    def require_complete(self) -> None:
+        """Raise ``ViewIncomplete`` unless the view knows every manifest and its recency."""
+        with self.lock:
+            if not self.catalog.complete:
+                raise ViewIncomplete(self.catalog.unknown())
 
     def begin_pass(self, now: float, lease_seconds: float,
                    max_bytes: int) -> tuple[set[str], set[str], int, list[IndexedEntry]]:
@@ -86,6 +107,8 @@ class Collector:
         protected = self.refresh_view()
         with self.lock:
             self.catalog.refresh_recency()
+        self.require_complete()
+        with self.lock:
             pinned = live_pins(self.layout, lease_seconds, now, remove_expired=True)
             used = self.catalog.used_bytes
             if used > max_bytes:
@@ -100,7 +123,8 @@ class Collector:
             used = self.catalog.used_bytes
             self.draining = self.draining and used > low_watermark_bytes
             snapshot = CapacitySnapshot(self.catalog.entry_count, used, max_bytes,
-                                        low_watermark_bytes, self.catalog.bad_count)
+                                        low_watermark_bytes, self.catalog.bad_count,
+                                        len(self.catalog.unknown()))
             return snapshot, self.catalog.deferred_count
 
     def any_expired(self, now: float, ttl_seconds: float) -> bool:
@@ -116,6 +140,7 @@ class Collector:
         try:
             with self.exclusive(timeout_s=0.0):
                 protected = self.refresh_view()
+                self.require_complete()
                 pinned = live_pins(self.layout, lease_seconds)
                 with self.lock:
                     done = tuple(e for e in entry_ids
@@ -123,7 +148,7 @@ class Collector:
                 if done:
                     self.evict(done, protected)
                 return done
-        except (OSError, UnsafePathError):  # held by another (LockTimeout), or a bad disk
+        except (OSError, UnsafePathError, ViewIncomplete):  # held by another (LockTimeout), a bad disk
             return ()
 
     def evict(self, entry_ids: Sequence[str], protected: set[str]) -> int:
@@ -201,10 +226,13 @@ class Collector:
         """[gc lock] Delete deferred objects that are still garbage, in parallel batches;
         with ``clock`` only while the next batch is expected to fit. ``only`` limits it to
         those digests. Returns (bytes reclaimed, whether none of them are left). Does
-        nothing while a dropped manifest's directory is not yet fsynced."""
+        nothing while a dropped manifest's directory is not yet fsynced, nor while the view
+        is incomplete (an object is deleted only when a complete listing shows no manifest
+        references it)."""
         with self.lock:
             pending = self.catalog.deferred_digests(only)
-        if self.unsynced_dirs:
+            complete = self.catalog.complete
+        if self.unsynced_dirs or not complete:
             return 0, not pending
         reclaimed = 0
         while pending:
@@ -225,7 +253,9 @@ class Collector:
         """[gc lock] Delete unreferenced objects in up to ``n_shards`` shards while time
         allows. Returns (objects deleted, bytes freed, shards swept, seconds spent in fsync)."""
         count = freed = swept = 0
-        if self.unsynced_dirs or not clock.fits("fsync"):
+        with self.lock:
+            complete = self.catalog.complete
+        if self.unsynced_dirs or not complete or not clock.fits("fsync"):
             return 0, 0, 0, 0.0
         # Another process's manifest unlinks must be durable before their objects go.
         dirs = [self.layout.identity_dir(d) for d in self.layout.listdir(self.layout.manifests_dir)
@@ -259,4 +289,4 @@ class Collector:
             return False  # a shard swapped for a link meanwhile: never followed
 
 
-__all__ = ["Collector", "ShardCursor"]
+__all__ = ["Collector", "ShardCursor", "ViewIncomplete"]

@@ -18,6 +18,7 @@ from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is
 from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
 from .reasons import Reason
 
+_RECENCY = " (last access)"  # the suffix of an unknown recency's key in ``unknown``
 _MTIME_TRUST_S = 0.05  # directory mtimes newer than this may hide a change in the same tick
 
 
@@ -77,9 +78,20 @@ class EntryIndex:
         # Files under manifests/ that are not manifests the store can read (links, FIFOs,
         # files where an identity directory belongs): path -> why. ``verify`` lists them.
         self.strays: dict[str, str] = {}
+        # Paths whose state the last attempt could not learn (a listing or a read that failed
+        # with EIO, EACCES, ENOMEM...): path -> why. Never taken for "gone" or "corrupt": what
+        # was known of them stays, they are read again by every refresh, and while any is
+        # here the view is not ``complete`` and nothing is deleted on its word.
+        self.unknown: dict[str, str] = {}
         self._marks: dict[str, _DirMark] = {}
 
     # ------------------------------------------------------------------ accounting
+
+    @property
+    def complete(self) -> bool:
+        """Whether every listing and manifest read of the last refreshes succeeded: only then
+        does the view know every manifest, and may an object's deletion rest on it."""
+        return not self.unknown
 
     @property
     def used_bytes(self) -> int:
@@ -220,12 +232,18 @@ class EntryIndex:
     # ------------------------------------------------------------------ sync with disk
 
     def refresh(self, force: bool = False) -> None:
+        top = self.layout.manifests_dir
         try:
-            found = self.layout.scandir_files(self.layout.manifests_dir)
+            found = self.layout.scandir_files(top)
             self.strays.clear()  # found again below while they are still there
-        except (OSError, UnsafePathError) as exc:
+        except UnsafePathError as exc:  # a link or a file in its place: no manifests are there
             found = []
-            self.strays[self.layout.manifests_dir] = f"cannot list manifests: {exc}"
+            self.strays.clear()
+            self.strays[top] = f"cannot list manifests: {exc}"
+        except OSError as exc:  # not known: nothing is dropped on its word
+            self.unknown[top] = f"cannot list manifests (retried): {exc}"
+            return
+        self.unknown.pop(top, None)
         dirs: dict[str, int] = {}  # identity -> its directory's mtime
         for name, st in found:
             path = os.path.join(self.layout.manifests_dir, name)
@@ -239,8 +257,9 @@ class EntryIndex:
             for entry_id in list(self._marks.pop(gone).names):
                 self.remove(entry_id)
                 self.bad.pop(entry_id, None)
+            self._forget_unknown_under(self.layout.identity_dir(gone))
         for idd, mtime_ns in dirs.items():
-            if force or not self._unchanged(idd, mtime_ns):
+            if force or not self._unchanged(idd, mtime_ns) or self._unknown_under(idd):
                 self._refresh_dir(idd, force)
 
     def _unchanged(self, idd: str, mtime_ns: int) -> bool:
@@ -257,9 +276,13 @@ class EntryIndex:
                 listing = self._changed_listing(idd, d.fd, force)
         except FileNotFoundError:
             return
-        except (OSError, UnsafePathError) as exc:
+        except UnsafePathError as exc:
             self.strays[path] = f"cannot list: {exc}"
             return
+        except OSError as exc:  # not known: what the view holds of it stays
+            self.unknown[path] = f"cannot list (retried): {exc}"
+            return
+        self.unknown.pop(path, None)
         if listing is None:
             return
         mark = self._marks[idd]
@@ -273,9 +296,14 @@ class EntryIndex:
         for entry_id in set(mark.names) - set(seen):
             self.remove(entry_id)
             self.bad.pop(entry_id, None)
+            self.unknown.pop(self.layout.manifest_path(idd, entry_id), None)
+        for entry_id in [p for p in self.unknown if p.startswith(path + os.sep)]:
+            if os.path.basename(entry_id)[: -len(MANIFEST_SUFFIX)] not in seen:
+                del self.unknown[entry_id]  # listed, and no longer there
         for entry_id, inode in seen.items():
             known = self.entries.get(entry_id)
-            if known is not None and known.inode == inode:
+            if (known is not None and known.inode == inode
+                    and self.layout.manifest_path(idd, entry_id) not in self.unknown):
                 continue
             if self.unlinking and self.unlinking.get(self.layout.manifest_path(idd, entry_id)) == inode:
                 continue
@@ -283,7 +311,8 @@ class EntryIndex:
             if bad is not None and bad.inode == inode:
                 continue
             self.load(idd, entry_id)
-        mark.names = {e: i for e, i in seen.items() if e in self.entries or e in self.bad}
+        mark.names = {e: i for e, i in seen.items() if e in self.entries or e in self.bad
+                      or self.layout.manifest_path(idd, e) in self.unknown}
 
     def _changed_listing(self, idd: str, fd: int, force: bool) -> list[tuple[str, int]] | None:
         """(name, inode) of the identity directory open at ``fd``; None when its mtime says
@@ -301,33 +330,37 @@ class EntryIndex:
             return [(e.name, e.inode()) for e in it]
 
     def load(self, idd: str, entry_id: str) -> IndexedEntry | None:
-        """(Re)read one manifest file into the view; a bad one is recorded in ``self.bad``
-        (a link, a FIFO, a directory, an unreadable or oversized file, or a body that does
-        not decode), never raised."""
+        """(Re)read one manifest file into the view. One the store knows to be bad is
+        recorded in ``self.bad`` (a link, a FIFO, a directory, an oversized file, or a body
+        that does not decode); one that could not be read (EIO, EACCES, ...) is ``unknown``:
+        what the view held of it stays, and the next refresh reads it again. Never raises."""
         path = self.layout.manifest_path(idd, entry_id)
         try:
             fd = self.layout.open_file(path, os.O_RDONLY)
         except FileNotFoundError:
             self.remove(entry_id)
+            self.unknown.pop(path, None)
             return None
-        except (OSError, UnsafePathError) as exc:
+        except UnsafePathError as exc:
             self._mark_bad(entry_id, idd, path, Reason.CORRUPT, str(exc),
                            _lstat_inode(self.layout, path))
             return None
-        inode = -1
+        except OSError as exc:
+            self._mark_unknown(idd, entry_id, path, f"cannot open: {exc}")
+            return None
         try:
             st = os.fstat(fd)
-            inode = st.st_ino
             if st.st_size > MAX_MANIFEST_BYTES:
                 self._mark_bad(entry_id, idd, path, Reason.CORRUPT, f"{st.st_size} bytes, more than "
                                f"a manifest can hold ({MAX_MANIFEST_BYTES})", st.st_ino)
                 return None
             data = _read_all(fd, st.st_size)
         except OSError as exc:
-            self._mark_bad(entry_id, idd, path, Reason.CORRUPT, f"unreadable: {exc}", inode)
+            self._mark_unknown(idd, entry_id, path, f"cannot read: {exc}")
             return None
         finally:
             os.close(fd)
+        self.unknown.pop(path, None)
         try:
             manifest = decode(data, expected_entry_id=entry_id, expected_identity_digest=idd)
         except ManifestError as exc:
@@ -339,6 +372,18 @@ class EntryIndex:
         mark.names[entry_id] = st.st_ino
         return entry
 
+    def _mark_unknown(self, idd: str, entry_id: str, path: str, detail: str) -> None:
+        self.unknown[path] = f"{detail} (retried by every refresh; nothing it names is deleted meanwhile)"
+        self._marks.setdefault(idd, _DirMark(-1)).names.setdefault(entry_id, -1)
+
+    def _unknown_under(self, idd: str) -> bool:
+        prefix = self.layout.identity_dir(idd)
+        return any(p == prefix or p.startswith(prefix + os.sep) for p in self.unknown)
+
+    def _forget_unknown_under(self, prefix: str) -> None:
+        for p in [p for p in self.unknown if p == prefix or p.startswith(prefix + os.sep)]:
+            del self.unknown[p]
+
     def _mark_bad(self, entry_id: str, idd: str, path: str, reason: Reason, detail: str,
                   inode: int) -> None:
         self.remove(entry_id)
@@ -346,12 +391,17 @@ class EntryIndex:
         self._marks.setdefault(idd, _DirMark(-1)).names[entry_id] = inode
 
     def refresh_recency(self) -> None:
-        """Re-read last-access times (manifest mtimes), which other processes may have touched."""
+        """Re-read last-access times (manifest mtimes), which other processes may have
+        touched. One that cannot be read makes the view incomplete (an eviction must not
+        rest on an old time) until it is read again."""
         for entry in self.entries.values():
             try:
                 entry.last_access = self.layout.lstat(entry.path).st_mtime
-            except (OSError, UnsafePathError):
-                pass
+                self.unknown.pop(entry.path + _RECENCY, None)
+            except (FileNotFoundError, UnsafePathError):
+                pass  # gone or replaced: the next listing says so
+            except OSError as exc:
+                self.unknown[entry.path + _RECENCY] = f"cannot read its last access: {exc}"
 
 
 def _read_all(fd: int, size: int) -> bytes:

@@ -19,7 +19,10 @@ still fits):
      deferred to the next pass and still counted as used);
   5. with time left, sweeps a few object shards for objects no manifest or live
      publication references (crash leftovers, superseded tails).
-A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``.
+A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``. A pass
+whose view of the store is incomplete (a listing or a read of manifests, pins, recency or
+live publications failed: EIO, EACCES) evicts and deletes nothing and stops with
+``unknown``: deletion is decided only on positive knowledge.
 
 A pass drives the store's collector (``collector.py``: the crash-safe deletions, the sweep,
 and the state that carries from pass to pass) against the store's limits; this module holds
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import cpus
+from .collector import ViewIncomplete
 from .layout import UnsafePathError
 from .locks import LockTimeout
 from .pacing import PassClock, runqueue_wait_s
@@ -81,7 +85,7 @@ class PassReport:
     pinned_skipped: int
     remaining_entries: int
     deferred_objects: int  # objects of evicted entries left for the next pass (time budget)
-    stopped_by: str  # done | entries | bytes | time | lock | error
+    stopped_by: str  # done | entries | bytes | time | lock | error | unknown
     used_bytes_before: int
     used_bytes_after: int
     max_bytes: int
@@ -162,6 +166,9 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
                     stopped_by = "time"
     except LockTimeout:
         stopped_by = "lock"
+    except ViewIncomplete as exc:  # a listing or read failed: nothing is deleted on it
+        stopped_by = "unknown"
+        log.warning("sparkcache: maintenance pass deleted nothing: %s", exc)
     except (OSError, UnsafePathError) as exc:  # a failing disk: this pass stops, the next tries
         stopped_by = "error"
         log.warning("sparkcache: maintenance pass stopped: %s", exc)

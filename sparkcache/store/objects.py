@@ -11,7 +11,6 @@ symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 
@@ -20,9 +19,6 @@ import blake3
 from .reasons import Reason
 from .layout import (StoreLayout, UnsafePathError, occupied, parallel_map, start_writeback, sync_all,
                      write_all)
-
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the whole mapping in one call
-
 
 
 class ObjectError(Exception):
@@ -64,13 +60,18 @@ class ObjectStore:
             raise ObjectError(Reason.IO_ERROR, digest, str(exc)) from None
         _check_stat(digest, st, size)
 
-    def read_verified(self, digest: str, size: int) -> bytes:
-        """The object's bytes, re-hashed; raises ``ObjectError`` rather than return bad bytes."""
+    def read_verified(self, digest: str, size: int) -> bytearray:
+        """The object's bytes, re-hashed; raises ``ObjectError`` rather than return bad bytes.
+        Read with system calls into one buffer (no mapping: an I/O error or a file truncated
+        under the reader is an ``ObjectError``, never a SIGBUS, and no descriptor outlives
+        the call)."""
         fd = self._open_checked(digest, size)
         try:
-            return self._read_fd(fd, digest, size)
+            data = _read_exactly(fd, digest, size)
         finally:
             os.close(fd)
+        _check_digest(digest, data)
+        return data
 
     def check_verified(self, digest: str, size: int) -> None:
         """``read_verified`` without keeping the bytes: hashed a chunk at a time, so a page of
@@ -92,67 +93,6 @@ class ObjectStore:
         if hasher.hexdigest() != digest:
             raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
 
-    @staticmethod
-    def _read_fd(fd: int, digest: str, size: int) -> bytes:
-        chunks = []
-        got = 0
-        while got < size:
-            try:
-                chunk = os.read(fd, size - got)
-            except (OSError, MemoryError) as exc:
-                raise ObjectError(Reason.IO_ERROR, digest, f"read failed at {got}/{size}: {exc!r}") from None
-            if not chunk:
-                raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}")
-            chunks.append(chunk)
-            got += len(chunk)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        _check_digest(digest, data)
-        return data
-
-    def map_verified(self, digest: str, size: int) -> mmap.mmap:
-        """The object's bytes, re-hashed, as a restore reads them; raises ``ObjectError``
-        rather than return bad bytes. They come back as a read-only mapping of the object's
-        file: the hash reads the page cache in place and the restore copies each byte once,
-        into the KV cache (a read into new process memory costs a page fault per 4 KiB, more
-        than the hash here). An object in the page cache is mapped populated (one call); one
-        that is not is mapped for sequential access and the hash faults it in, so the kernel's
-        readahead (large folios) brings the rest while the first part is hashed, faster than
-        asking for each whole (``POSIX_FADV_WILLNEED``) and then populating, and faster still
-        with the next object asked for meanwhile (``read_many_verified``; docs/RESULTS.md,
-        "Measurements behind the code"). Safe because objects are immutable: written under a
-        temp name and renamed, never rewritten in place; an unlink (eviction) leaves the
-        mapping valid (another program truncating a mapped object in place would fault the
-        reader with SIGBUS; nothing in sparkcache does)."""
-        fd = self._open_checked(digest, size)
-        try:
-            if size == 0:  # nothing to map
-                return self._read_fd(fd, digest, size)
-            warm = _in_page_cache(fd, size)
-            try:
-                data = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | (_MAP_POPULATE if warm else 0),
-                                 prot=mmap.PROT_READ)
-            except (OSError, ValueError) as exc:
-                raise ObjectError(Reason.ABSENT, digest, f"cannot map {size} bytes: {exc}") from None
-        finally:
-            os.close(fd)
-        if not warm and hasattr(data, "madvise"):
-            data.madvise(mmap.MADV_SEQUENTIAL)  # the hash faults it in, readahead window by window
-        _check_digest(digest, data)
-        return data
-
-    def fetch_ahead(self, ref) -> None:
-        """Ask the kernel to read the object unless it is in the page cache, without waiting
-        (a readahead hint; a missing or bad object is left for the read to report)."""
-        try:
-            fd = self._open_checked(ref.digest, ref.size)
-        except ObjectError:
-            return
-        try:
-            if hasattr(os, "posix_fadvise") and not _in_page_cache(fd, ref.size):
-                os.posix_fadvise(fd, 0, ref.size, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-
     def _open_checked(self, digest: str, size: int) -> int:
         """An fd of the object, opened without following links, with its size checked."""
         try:
@@ -170,23 +110,13 @@ class ObjectStore:
             raise
         return fd
 
-    def read_many_verified(self, refs: list, *, mapped: bool = False, parallel: bool = True) -> list:
-        """``read_verified`` (or ``map_verified`` with ``mapped``) for several pages, in
-        parallel threads (reads and BLAKE3 release the GIL), or with ``parallel=False`` on
-        the calling thread, one after the other (for a caller whose cores are busy anyway:
-        see ``WorkerSide``). Raises the first ``ObjectError`` in page order."""
-        if not mapped:
-            return _each_in_parallel(lambda ref: self.read_verified(ref.digest, ref.size), refs,
-                                     parallel=parallel)
-        if parallel:
-            return _each_in_parallel(lambda ref: self.map_verified(ref.digest, ref.size), refs)
-        # One after the other; the next page is asked for while this one is hashed.
-        out = []
-        for i, ref in enumerate(refs):
-            if i + 1 < len(refs):
-                self.fetch_ahead(refs[i + 1])
-            out.append(self.map_verified(ref.digest, ref.size))
-        return out
+    def read_many_verified(self, refs: list, *, parallel: bool = True) -> list[bytearray]:
+        """``read_verified`` for several pages, in parallel threads (reads and BLAKE3 release
+        the GIL), or with ``parallel=False`` on the calling thread, one after the other (for
+        a caller whose cores are busy anyway: see ``WorkerSide``). Raises the first
+        ``ObjectError`` in page order."""
+        return _each_in_parallel(lambda ref: self.read_verified(ref.digest, ref.size), refs,
+                                 parallel=parallel)
 
     def check_many_present(self, refs: list) -> None:
         """``check_present`` for several pages, in parallel threads when there are many (a
@@ -302,15 +232,21 @@ def _each_in_parallel(fn, refs: list, *, parallel: bool = True) -> list:
     return results
 
 
-def _in_page_cache(fd: int, size: int) -> bool:
-    """Whether the object's last byte is in the page cache (objects are written whole, so
-    it stands for the rest): a non-blocking one-byte read, never a disk read."""
-    if size == 0 or not hasattr(os, "RWF_NOWAIT"):
-        return False
-    try:
-        return os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
-    except (BlockingIOError, OSError):
-        return False
+def _read_exactly(fd: int, digest: str, size: int) -> bytearray:
+    """``size`` bytes from the start of ``fd``: a short file is ``absent``, a failing read
+    ``io_error``."""
+    data = bytearray(size)
+    view = memoryview(data)
+    got = 0
+    while got < size:
+        try:
+            n = os.preadv(fd, [view[got:]], got)
+        except (OSError, MemoryError) as exc:
+            raise ObjectError(Reason.IO_ERROR, digest, f"read failed at {got}/{size}: {exc!r}") from None
+        if n == 0:
+            raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}")
+        got += n
+    return data
 
 
 def _check_digest(digest: str, data) -> None:

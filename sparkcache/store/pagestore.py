@@ -86,7 +86,10 @@ class PageStore:
         Incomplete publications are invisible by construction (no manifest was renamed);
         the objects they wrote are collected by maintenance's orphan sweep.
         """
-        _, cleaned = read_live_intents(self.layout, remove_stray_dirs=True)
+        try:
+            _, cleaned = read_live_intents(self.layout, remove_stray_dirs=True)
+        except OSError:
+            cleaned = 0  # staging cannot be read now: its leftovers wait for the next writer
         with self._mutex:
             self.catalog.refresh(force=True)
             report = RecoveryReport(cleaned, self.catalog.entry_count, self.catalog.bad_count)
@@ -260,23 +263,23 @@ class PageStore:
             self.catalog.touch(entry, time.time())
         return LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
 
-    def read(self, handle: EntryHandle, n_blocks: int | None = None, *, mapped: bool = False) -> ReadResult:
-        """Verified bytes of the pages holding the first ``n_blocks`` blocks (with ``mapped``:
-        read-only mappings of the objects, as a restore reads them; see ``map_verified``)."""
+    def read(self, handle: EntryHandle, n_blocks: int | None = None) -> ReadResult:
+        """Verified bytes of the pages holding the first ``n_blocks`` blocks."""
         n_blocks = handle.block_count if n_blocks is None else n_blocks
         if not 0 < n_blocks <= handle.block_count:
             raise ValueError(f"read: n_blocks={n_blocks} outside 1..{handle.block_count}")
         try:
-            pages = self.read_pages(handle.pages[: pages_needed(n_blocks, handle.blocks_per_page)], mapped=mapped)
+            pages = self.read_pages(handle.pages[: pages_needed(n_blocks, handle.blocks_per_page)])
         except ObjectError as exc:
             return ReadResult(exc.reason, bad_digest=exc.digest, detail=str(exc))
         return ReadResult(Reason.HIT, n_blocks, handle.blocks_per_page, tuple(pages))
 
-    def read_pages(self, refs: Sequence[PageRef], *, mapped: bool = False, parallel: bool = True) -> list:
-        """Verified page objects in order (bytes, or read-only mappings with ``mapped``), read on
-        parallel threads or, with ``parallel=False``, on this one. A page that fails is raised
-        as ``ObjectError`` with its reason; nothing unverified is returned."""
-        return self.objects.read_many_verified(list(refs), mapped=mapped, parallel=parallel)
+    def read_pages(self, refs: Sequence[PageRef], *, parallel: bool = True) -> list[bytearray]:
+        """Verified page objects in order, read on parallel threads or, with
+        ``parallel=False``, on this one. A page that fails is raised as ``ObjectError`` with
+        its reason (an I/O error included: reads never fault the process); nothing
+        unverified is returned."""
+        return self.objects.read_many_verified(list(refs), parallel=parallel)
 
     def discard_corrupt(self, digest: str, size: int) -> bool:
         """Remove a page object found corrupt, so that the next publication of its prefix writes
@@ -324,7 +327,8 @@ class PageStore:
         with self._mutex:
             self.catalog.refresh()
             return CapacitySnapshot(self.catalog.entry_count, self.catalog.used_bytes,
-                                    self.max_bytes, self.low_watermark_bytes, self.catalog.bad_count)
+                                    self.max_bytes, self.low_watermark_bytes, self.catalog.bad_count,
+                                    len(self.catalog.unknown()))
 
     def free_bytes(self) -> int:
         """Bytes the filesystem under the store has free for this process (``f_bavail``)."""

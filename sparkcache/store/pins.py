@@ -61,17 +61,16 @@ def release_pin(layout: StoreLayout, lease_id: str) -> bool:
 
 def pin_expiry(layout: StoreLayout, name: str, lease_seconds: float, now: float) -> float | None:
     """When the pin file ``name`` stops protecting its entry (at most ``lease_seconds``
-    after it was written); None for a file that is not a readable pin (it protects nothing)."""
+    after it was written); None for a file that is not a pin (it protects nothing). A pin
+    that cannot be read (EIO, EACCES) raises ``OSError``: what it protects is not known."""
     path = os.path.join(layout.pins_dir, name)
     try:
         fd = layout.open_file(path, os.O_RDONLY)
-    except (OSError, UnsafePathError):
+    except (FileNotFoundError, UnsafePathError):
         return None
     try:
         written = os.fstat(fd).st_mtime
         text = os.read(fd, _MAX_PIN_BYTES + 1)
-    except OSError:
-        return None
     finally:
         os.close(fd)
     try:
@@ -86,20 +85,26 @@ def pin_expiry(layout: StoreLayout, name: str, lease_seconds: float, now: float)
 def live_pins(layout: StoreLayout, lease_seconds: float, now: float | None = None, *,
               remove_expired: bool = False) -> set[str]:
     """Entry ids with at least one unexpired pin. With ``remove_expired`` expired pins and
-    pin-named files that are not pins (a FIFO, garbage) are removed (never a directory)."""
+    pin-named files that are not pins (a FIFO, garbage) are removed (never a directory).
+    A pin that cannot be read protects its entry (and stays); a listing of the pins that
+    fails raises ``OSError``: no eviction may rest on it."""
     now = time.time() if now is None else now
     pinned: set[str] = set()
     try:
         names = layout.listdir(layout.pins_dir)
-    except (OSError, UnsafePathError):
-        return pinned
+    except UnsafePathError:
+        return pinned  # a link or a file in its place: no pin can be there (verify says so)
     for name in names:
         match = _PIN_NAME.fullmatch(name)
         if match is None:
             if remove_expired and _PIN_TEMP.fullmatch(name) and _older_than(layout, name, now):
                 _unlink_quietly(layout, os.path.join(layout.pins_dir, name))  # a crashed writer's
             continue
-        expires = pin_expiry(layout, name, lease_seconds, now)
+        try:
+            expires = pin_expiry(layout, name, lease_seconds, now)
+        except OSError:
+            pinned.add(match.group(1))  # unreadable: it may be live
+            continue
         if expires is not None and expires > now:
             pinned.add(match.group(1))
         elif remove_expired:

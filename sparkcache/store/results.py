@@ -73,7 +73,7 @@ class LookupResult:
 class ReadResult:
     """Verified page bytes for the first ``blocks`` blocks, or a miss with a reason.
     ``pages`` is empty unless ``reason == "hit"``; bytes are never returned unverified.
-    ``pages`` holds ``bytes``, or read-only ``mmap`` objects from ``read(..., mapped=True)``."""
+    ``pages`` holds one ``bytearray`` per page."""
 
     reason: Reason
     blocks: int = 0
@@ -116,6 +116,7 @@ class CapacitySnapshot:
     max_bytes: int
     low_watermark_bytes: int
     bad_manifests: int
+    unreadable: int = 0  # paths a listing or read could not learn (see ``EntryIndex.unknown``)
 
     @property
     def over_max(self) -> bool:

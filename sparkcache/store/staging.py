@@ -105,14 +105,16 @@ def read_live_intents(layout: StoreLayout, *, remove_stray_dirs: bool = False) -
     ``verify`` to report. Lines of a live intent that are not object names are ignored.
     Directories (nothing the store makes) are removed only with ``remove_stray_dirs``
     (recovery, which holds no lock): their size is unbounded, a maintenance pass's is not.
+    A listing or an intent that cannot be read (EIO, EACCES) raises ``OSError``: what live
+    publications rely on is then not known, and nothing may be deleted on it.
     """
     staging_dir = layout.staging_dir
     protected: set[str] = set()
     cleaned = 0
     try:
         names = layout.listdir(staging_dir)
-    except (OSError, UnsafePathError):
-        return protected, 0
+    except UnsafePathError:
+        return protected, 0  # a link or a file in its place: no publication can use it
     intents = {n[: -len(INTENT_SUFFIX)] for n in names if n.endswith(INTENT_SUFFIX)}
     temps: dict[str, list[str]] = {}  # token -> its temp files' names
     for name in names:
@@ -123,10 +125,8 @@ def read_live_intents(layout: StoreLayout, *, remove_stray_dirs: bool = False) -
         path = os.path.join(staging_dir, token + INTENT_SUFFIX)
         try:
             fd = layout.open_file(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        except (OSError, UnsafePathError):
-            continue  # not an intent this store wrote: verify reports it
+        except (FileNotFoundError, UnsafePathError):
+            continue  # gone, or not an intent this store wrote (verify reports it)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -17,7 +17,7 @@ from .pins import PIN_SUFFIX, pin_expiry
 class Problem:
     """One bad file and the entries it breaks."""
 
-    kind: str  # corrupt_manifest | {corrupt,absent,io_error}_object | unsafe_file | corrupt_pin
+    kind: str  # corrupt_manifest | {corrupt,absent,io_error}_object | unsafe_file | corrupt_pin | unreadable
     path: str
     detail: str
     entries: tuple[str, ...]
@@ -46,6 +46,9 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
         problems.append(Problem("corrupt_manifest", bad.path, bad.detail, (bad.entry_id,)))
     for path, detail in sorted(index.strays.items()):
         problems.append(Problem("unsafe_file", path, detail, ()))
+    for path, detail in sorted(index.unknown.items()):
+        problems.append(Problem("unreadable", path, f"{detail}: the store deletes nothing while it "
+                                "cannot read it; check the disk and the file's permissions", ()))
     users: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
     for entry in index.entries.values():

@@ -148,3 +148,47 @@ def test_a_flipped_byte_in_a_32k_token_restore_places_nothing(tmp_path):
         assert not os.path.exists(path)  # quarantined
     finally:
         worker.close()
+
+
+# A restore's reads on a failing disk: the worker runs in a child process, so that a read that
+# faults the process (SIGBUS under a mapping) shows as the child's death, not the suite's.
+_CHILD = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+from faultfs import FaultFS
+from tests.connector import test_worker_restore as t
+fs = FaultFS.attach(sys.argv[2])
+worker = t._worker(fs.mount / "store", "read-write")
+keys, stored = t._captured(worker, t.STORED_BLOCKS)
+dest = t._cleared_destination(worker, 0)
+plan = t._plan(worker, keys, 0, dest)
+victim = "/store/default/objects/" + plan.stored.pages[1].digest[:2] + "/" + plan.stored.pages[1].digest[2:]
+if sys.argv[3] == "eio":
+    fs.fail("read", "^" + victim + "$", 5, times=-1)
+else:
+    fs.truncate_on("read", "^" + victim + "$", 4096)
+worker.load(plan)
+done, failed = worker.take_results()[1:]
+print("RESULT " + json.dumps({"done": sorted(done), "failed": sorted(failed),
+                              "untouched": all(bool((worker.kv[n][dest] == 0).all()) for n in worker.kv)}))
+worker.close()
+"""
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("fault", ["eio", "truncate"])
+def test_an_io_error_or_truncation_under_a_restore_refuses_it_and_the_process_lives(tmp_path, fault):
+    import subprocess
+    import sys
+
+    from faultfs import FaultFS
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with FaultFS(tmp_path) as fs:
+        child = subprocess.run([sys.executable, "-c", _CHILD, repo, str(tmp_path), fault],
+                               capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "PYTHONPATH": repo})
+        assert fs.fired() >= 1, "the fault never happened"
+    assert child.returncode == 0, f"the restoring process died ({child.returncode}): {child.stderr[-2000:]}"
+    import json
+    result = json.loads(child.stdout.split("RESULT ", 1)[1])
+    assert result == {"done": ["r"], "failed": ["r"], "untouched": True}, result

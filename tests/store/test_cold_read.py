@@ -1,6 +1,6 @@
-"""A restore's mapped read of objects that are not in the page cache (``map_verified``'s
-cold branch, with the fetch-ahead of ``read_many_verified``): the same bytes as a warm
-read, and a flipped byte on disk still refused."""
+"""A restore's read of objects that are not in the page cache (``read_many_verified`` on one
+thread and on the pool): the same bytes as a warm read, and a flipped byte on disk still
+refused."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ def stored(tmp_path):
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-def test_cold_mapped_read_returns_the_stored_bytes(stored, parallel):
+def test_cold_read_returns_the_stored_bytes(stored, parallel):
     store, handle, pages = stored
     evict([store.objects.path(ref.digest) for ref in handle.pages])  # raises unless all cold
-    got = store.objects.read_many_verified(list(handle.pages), mapped=True, parallel=parallel)
+    got = store.objects.read_many_verified(list(handle.pages), parallel=parallel)
     assert [bytes(m) for m in got] == pages
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-def test_cold_mapped_read_refuses_a_flipped_byte(stored, parallel):
+def test_cold_read_refuses_a_flipped_byte(stored, parallel):
     store, handle, _ = stored
     bad = handle.pages[6]
     path = store.objects.path(bad.digest)
@@ -43,5 +43,5 @@ def test_cold_mapped_read_refuses_a_flipped_byte(stored, parallel):
         f.write(bytes([byte[0] ^ 0x01]))
     evict([store.objects.path(ref.digest) for ref in handle.pages])  # raises unless all cold
     with pytest.raises(ObjectError) as exc:
-        store.objects.read_many_verified(list(handle.pages), mapped=True, parallel=parallel)
+        store.objects.read_many_verified(list(handle.pages), parallel=parallel)
     assert exc.value.reason == Reason.CORRUPT and exc.value.digest == bad.digest

@@ -58,8 +58,8 @@ def test_flip_one_byte_in_every_file(pristine, tmp_path):
             assert read is None or not read.pages
             if "/manifests/" not in path:  # the cheap lookup passes; verified lookup refuses
                 assert store.lookup(IDENT, conv_keys(conv, n), verify=True).reason == "corrupt"
-                mapped = store.read(lookup.handle, mapped=True)  # the restore's path
-                assert mapped.reason == "corrupt" and not mapped.pages
+                read = store.read(lookup.handle)  # the restore's path
+                assert read.reason == "corrupt" and not read.pages
             cli = run_cli("verify", "--root", str(root))
             assert cli.returncode == 1, cli.stdout + cli.stderr
             assert path in cli.stdout and "BAD corrupt" in cli.stdout
@@ -82,9 +82,8 @@ def test_truncated_or_deleted_object_is_absent(pristine, tmp_path, damage):
     result = open_store(root, page_blocks=4).lookup(IDENT, conv_keys(1, 10))
     assert not result.hit and result.reason == "absent" and victim.split("/")[-1] in result.detail
     # a reader holding the handle from before the damage also gets a miss, not bytes
-    for mapped in (False, True):
-        read = store.read(lookup.handle, mapped=mapped)
-        assert read.reason == "absent" and read.pages == ()
+    read = store.read(lookup.handle)
+    assert read.reason == "absent" and read.pages == ()
     cli = run_cli("verify", "--root", str(root))
     assert cli.returncode == 1 and victim in cli.stdout and lookup.entry_id in cli.stdout
 

@@ -55,14 +55,12 @@ def test_every_read_returns_the_bytes_that_were_put(objects):
     refs = [PageRef(d, len(data)) for d, data in put.items()]
     for ref in refs:
         assert backend.read_verified(ref.digest, ref.size) == put[ref.digest]
-        mapped = backend.map_verified(ref.digest, ref.size)
-        assert bytes(mapped[:]) == put[ref.digest]
         backend.check_verified(ref.digest, ref.size)
         backend.check_present(ref.digest, ref.size)
         assert backend.exists_with_size(ref.digest, ref.size)
         assert not backend.exists_with_size(ref.digest, ref.size + 1)
-    for mapped, parallel in ((False, True), (True, True), (True, False), (False, False)):
-        got = backend.read_many_verified(refs, mapped=mapped, parallel=parallel)
+    for parallel in (True, False):
+        got = backend.read_many_verified(refs, parallel=parallel)
         assert [bytes(g[:]) for g in got] == [put[r.digest] for r in refs]
 
 
@@ -107,9 +105,9 @@ def test_damage_is_refused_by_every_read_and_only_corruption_is_discarded(object
     backend, put, _, _ = objects
     digest, data = max(put.items(), key=lambda item: len(item[1]))
     _damage(backend.path(digest), how, len(data))
-    reads = [lambda: backend.read_verified(digest, len(data)), lambda: backend.map_verified(digest, len(data)),
+    reads = [lambda: backend.read_verified(digest, len(data)),
              lambda: backend.check_verified(digest, len(data)),
-             lambda: backend.read_many_verified([PageRef(digest, len(data))], mapped=True)]
+             lambda: backend.read_many_verified([PageRef(digest, len(data))], parallel=False)]
     for read in reads:
         with pytest.raises(ObjectError) as caught:
             read()

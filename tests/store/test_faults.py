@@ -1,0 +1,219 @@
+"""Deletion is decided only on positive knowledge: on a real filesystem that fails on demand
+(``tests/faultfs.py``: FUSE), an I/O or permission error at any listing or read that a
+writer's open or a maintenance pass makes never removes a file the same work would keep
+without the error.
+
+The scenario: a store over its cap (the pass evicts its least recently used entries), one
+old entry pinned (never evicted), an orphan object (swept), a live publication's declared
+object that no manifest names yet (kept). The clean run removes some files; a run with one
+failure injected may remove fewer, never another: ``removed(fault) <= removed(clean)``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from sparkcache.store import PageStore, PassBudget, run_pass
+from sparkcache.store.objects import digest_of
+from sparkcache.store.pins import create_pin
+from sparkcache.store.staging import Staging
+
+from faultfs import FaultFS
+from store_helpers import IDENT, conv_keys, conv_pages, stopped_clock
+
+pytestmark = pytest.mark.root  # FUSE mounts need root (CI and the developers' machines)
+
+CONVS = (1, 2, 3, 4, 5)  # published oldest first
+PINNED = 1
+PER_BLOCK = 2048
+BUDGET = PassBudget(max_entries=1000, max_bytes=1 << 40, max_ms=1e9)
+ORPHAN = b"orphan page bytes" * 64
+LIVE = b"a live publication's page" * 64
+LISTINGS_AND_READS = ("readdir", "open", "read")  # at every path
+# and every lookup or open of a directory on the way to what decides a deletion (the walk to an
+# object only ever fails its removal)
+DECIDING = ("getattr", "opendir")
+DECIDING_UNDER = ("/default/manifests", "/default/staging", "/default/pins")
+
+
+def _open(root: Path, **kw) -> PageStore:
+    return PageStore(str(root), page_blocks=4, max_bytes=kw.pop("max_bytes", 1 << 30),
+                     low_watermark_bytes=kw.pop("low", 1 << 29), **kw)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> tuple[Path, int, int]:
+    """A store (plain directory) with five entries of different ages, an orphan object,
+    and the caps that make a pass evict about half of them."""
+    root = tmp_path_factory.mktemp("template")
+    store = _open(root)
+    for age, conv in enumerate(CONVS):
+        assert store.publish(IDENT, conv_keys(conv, 8), conv_pages(conv, 8, 4, PER_BLOCK)).ok
+        os.utime(store.catalog.entry(_entry_id(store, conv)).path, (1000.0 + age, 1000.0 + age))
+    orphan = store.objects.path(digest_of(ORPHAN))
+    os.makedirs(os.path.dirname(orphan), exist_ok=True)
+    Path(orphan).write_bytes(ORPHAN)
+    used = store.capacity().used_bytes
+    return root, used - 1, used // 2
+
+
+def _entry_id(store: PageStore, conv: int) -> str:
+    hit = store.lookup(IDENT, conv_keys(conv, 8))
+    assert hit.hit, hit
+    return hit.entry_id
+
+
+def _files(top: Path) -> set[str]:
+    return {str(p.relative_to(top)) for p in top.rglob("*")
+            if p.is_file() and "/staging/" not in f"/{p.relative_to(top)}" and "/locks/" not in str(p)}
+
+
+class _LivePublication:
+    """A publication in flight in this process: its intent holds the flock and declares an
+    object that no manifest names yet."""
+
+    def __init__(self, store_root: Path) -> None:
+        from sparkcache.store.layout import StoreLayout
+        self.layout = StoreLayout.create(str(store_root), make=False)
+        self.staging = Staging(self.layout)
+
+    def __enter__(self):
+        self.staging.open()
+        digest = digest_of(LIVE)
+        self.staging.declare([digest])
+        path = Path(self.layout.object_path(digest))
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(LIVE)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.staging.close()
+
+
+def _run(fs: FaultFS, template, fault: tuple[str, str, int, int] | None) -> set[str]:
+    """Copy the template into the backing directory, open a writer on the mount (recovery),
+    pin the oldest entry, run one pass with a full sweep while a publication is live, and
+    return the files removed. ``fault``: (op, path, occurrence, errno) failed once."""
+    root, cap, low = template
+    shutil.rmtree(fs.backing / "default", ignore_errors=True)
+    shutil.copytree(root / "default", fs.backing / "default", copy_function=shutil.copy2)
+    before = _files(fs.backing)
+    fs.clear()
+    with _LivePublication(fs.mount):
+        pin_store = _open(fs.mount, read_only=True)
+        pinned = _entry_id(pin_store, PINNED)
+        create_pin(pin_store.layout, pinned, 3600)
+        if fault is not None:
+            op, path, nth, err = fault
+            fs.fail(op, "^" + path + "$", err, after=nth)
+        try:
+            store = _open(fs.mount, max_bytes=cap, low=low)
+        except OSError as exc:  # a writer that cannot open removes nothing
+            report = f"open failed: {exc}"
+        else:
+            report = run_pass(store, BUDGET, sweep_shards=256, timer=stopped_clock)
+    assert fs.fired() == (fault is not None), f"the fault {fault} never happened"
+    after = _files(fs.backing)
+    return before - after, report
+
+
+_RANDOM_NAMES = ((re.compile(r"(?<=/staging/)[0-9a-f]{24}"), "PUBLICATIONTOKEN", "[0-9a-f]{24}"),
+                 (re.compile(r"(?<=\.)[0-9a-f]{16}(?=\.pin)"), "PINTOKEN", "[0-9a-f]{16}"))
+
+
+def _pattern(path: str) -> str:
+    """A path as a regular expression, with the names a run draws at random (publication
+    tokens, pin tokens) matching any such name."""
+    for name, word, _ in _RANDOM_NAMES:
+        path = name.sub(word, path)
+    out = re.escape(path)
+    for _, word, any_such in _RANDOM_NAMES:
+        out = out.replace(word, any_such)
+    return out
+
+
+def _ops_of_clean_run(fs: FaultFS, template) -> list[tuple[str, str, int]]:
+    """Every listing and read (op, path, occurrence) a writer's open and a pass make."""
+    root, cap, low = template
+    shutil.rmtree(fs.backing / "default", ignore_errors=True)
+    shutil.copytree(root / "default", fs.backing / "default", copy_function=shutil.copy2)
+    with _LivePublication(fs.mount):
+        pin_store = _open(fs.mount, read_only=True)
+        create_pin(pin_store.layout, _entry_id(pin_store, PINNED), 3600)
+        fs.record(True)
+        store = _open(fs.mount, max_bytes=cap, low=low)
+        run_pass(store, BUDGET, sweep_shards=256, timer=stopped_clock)
+        log = fs.take_log()
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for op, path in log:
+        path = _pattern(path)
+        n = seen.get((op, path), 0)
+        seen[(op, path)] = n + 1
+        if op in LISTINGS_AND_READS or (op in DECIDING and path.startswith(DECIDING_UNDER)):
+            out.append((op, path, n))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fs(tmp_path_factory):
+    with FaultFS(tmp_path_factory.mktemp("faultfs")) as mounted:
+        yield mounted
+
+
+def test_the_clean_run_evicts_sweeps_and_keeps_the_pinned_and_the_live(fs, template):
+    removed, report = _run(fs, template, None)
+    manifests = [r for r in removed if "/manifests/" in r]
+    objects = [r for r in removed if "/objects/" in r]
+    assert 1 <= len(manifests) < len(CONVS) - 1, (removed, report)
+    assert any(r.endswith(digest_of(ORPHAN)[2:]) for r in objects), removed
+    assert not any(r.endswith(digest_of(LIVE)[2:]) for r in objects), removed
+    assert not any(r.startswith("default/pins/") for r in removed), removed
+
+
+def test_a_failed_listing_of_manifests_during_a_pass_removes_nothing_more(fs, template):
+    """The field's data loss: one failed listing of manifests/ emptied the view and the same
+    pass swept every object."""
+    clean, _ = _run(fs, template, None)
+    ops = [o for o in _ops_of_clean_run(fs, template) if o[:2] == ("readdir", "/default/manifests")]
+    assert ops, "the pass lists manifests/"
+    for op, path, nth in ops:
+        removed, report = _run(fs, template, (op, path, nth, errno.EIO))
+        assert removed <= clean, (op, path, nth, sorted(removed - clean), report)
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=["EIO", "EACCES"])
+def test_an_error_at_any_listing_or_read_removes_nothing_more(fs, template, err):
+    clean, _ = _run(fs, template, None)
+    ops = [o for o in _ops_of_clean_run(fs, template)
+           if err == errno.EIO or o[0] in LISTINGS_AND_READS]
+    wrong = []
+    for op, path, nth in ops:
+        removed, report = _run(fs, template, (op, path, nth, err))
+        if not removed <= clean:
+            wrong.append((op, path, nth, sorted(removed - clean), getattr(report, "stopped_by", report)))
+    assert not wrong, f"{len(wrong)} of {len(ops)} injected errors removed more: {wrong[:5]}"
+
+
+def test_a_manifest_unreadable_at_open_is_read_once_readable_again(fs, template):
+    """EACCES when a writer first reads a manifest is 'unknown', not 'corrupt': the next pass
+    reads it again, serves it and sweeps none of its objects."""
+    root, cap, low = template
+    shutil.rmtree(fs.backing / "default", ignore_errors=True)
+    shutil.copytree(root / "default", fs.backing / "default", copy_function=shutil.copy2)
+    before = _files(fs.backing)
+    fs.fail("open", r"^/default/manifests/[0-9a-f]+/[0-9a-f]+\.mf$", errno.EACCES, times=-1)
+    store = _open(fs.mount)
+    fs.clear()
+    run_pass(store, BUDGET, sweep_shards=256, timer=stopped_clock)
+    removed = before - _files(fs.backing)
+    assert all(r.endswith(digest_of(ORPHAN)[2:]) for r in removed), sorted(removed)
+    for conv in CONVS:
+        assert store.lookup(IDENT, conv_keys(conv, 8)).hit, conv
