@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from sparkcache.store import PassBudget, run_pass
+from sparkcache.store import PassBudget, pass_due, run_pass, verify_store
+from sparkcache.store.clocks import SYSTEM_CLOCK, Clock
 from store_helpers import IDENT, conv_keys, conv_pages, open_store, stopped_clock
 
 REAL_TIME = time.time
@@ -159,3 +160,172 @@ def test_an_entry_stamped_in_the_future_counts_as_used_now_and_then_ages(tmp_pat
     report = run_pass(store, BUDGET, timer=stopped_clock)
     assert report.entries_expired == 1, report
     assert _hit(store, 0) and not _hit(store, 1)
+
+
+# ----------------------------------------------------------------------------- the rules, through the seam
+#
+# ``Clock`` is the seam: a reader and a maintainer are given their own (another boot id,
+# a boot clock moved on, a wall clock off) against real pin files and real mtimes.
+
+OTHER_BOOT = "0b0e1d00-0000-4000-8000-000000000001"
+LEASE = 300.0
+
+
+class Moving:
+    """A boot clock this process's own, moved on by ``offset`` seconds."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = offset
+
+    def __call__(self) -> float:
+        return SYSTEM_CLOCK.boot() + self.offset
+
+
+def _same_boot(offset: float = 0.0, wall: float = 0.0) -> Clock:
+    """Another process of this boot (its own sightings), its boot clock ``offset`` on."""
+    if SYSTEM_CLOCK.boot_id is None:
+        pytest.skip("no boot id on this kernel")
+    return Clock(wall=lambda: REAL_TIME() + wall, boot=Moving(offset), boot_id=SYSTEM_CLOCK.boot_id)
+
+
+def _other_boot(boot_at: float = 12.0) -> Clock:
+    """A process on another host (or before a reboot): its own boot id and boot clock."""
+    return Clock(boot=lambda: boot_at, boot_id=OTHER_BOOT)
+
+
+def _reader_pins(tmp_path, clocks: Clock, **kw):
+    """11 entries over max; the least recently used one leased by a reader with ``clocks``."""
+    store = _store(tmp_path, **kw)
+    paths = _fill(store, range(11))
+    store.clocks = clocks
+    lease = store.lookup(IDENT, conv_keys(0, 16), lease=True)
+    del store.clocks  # the class's again: this process's real clocks
+    assert lease.lease_id
+    for conv in range(11):
+        _shift_mtime(paths[conv], -(100 - conv) - (1000 if conv == 0 else 0))
+    pin = os.path.join(store.layout.pins_dir, lease.lease_id + ".pin")
+    return store, pin
+
+
+def _pass(store, clocks: Clock):
+    return run_pass(store, BUDGET, clocks=clocks, timer=stopped_clock)
+
+
+def _protected(store, pin, report) -> bool:
+    kept = os.path.exists(pin)
+    assert kept == (report.pinned_skipped == 1), report
+    return kept and store.entry(os.path.basename(pin)[:40]) is not None
+
+
+@pytest.mark.parametrize("wall", [0.0, -HOUR, YEARS_10], ids=["wall_ok", "wall_1h_behind",
+                                                            "wall_10y_ahead"])
+def test_a_pin_of_this_boot_lasts_its_lease_on_the_boot_clock(tmp_path, wall):
+    """Reader and maintainer of one boot, either wall clock anywhere: the lease ends when
+    the boot clock says so (not before, not later)."""
+    store, pin = _reader_pins(tmp_path, _same_boot(wall=wall))
+    assert _protected(store, pin, _pass(store, _same_boot(LEASE - 5, wall=-wall)))
+    assert not _protected(store, pin, _pass(store, _same_boot(LEASE + 5, wall=-wall)))
+    assert not os.path.exists(pin)
+
+
+def test_a_pin_of_this_boot_never_asks_for_more_than_the_maintainers_lease(tmp_path):
+    store, pin = _reader_pins(tmp_path, _same_boot(), lease_seconds=1e9)
+    store.lease_seconds = LEASE
+    assert not _protected(store, pin, _pass(store, _same_boot(LEASE + 5)))
+
+
+def test_a_pin_from_another_boot_is_aged_by_its_mtime_then_by_the_maintainers_boot_clock(tmp_path):
+    store, pin = _reader_pins(tmp_path, _other_boot())
+    maintainer = _same_boot()
+    assert _protected(store, pin, _pass(store, maintainer))  # first seen: age ~0 by the mtime
+    _shift_mtime(pin, -YEARS_10)  # the filesystem's clock stepped forward 10 years since
+    assert _protected(store, pin, _pass(store, maintainer))  # aged by observation now
+    maintainer._boot.offset = LEASE - 5
+    assert _protected(store, pin, _pass(store, maintainer))
+    maintainer._boot.offset = LEASE + 5
+    assert not _protected(store, pin, _pass(store, maintainer))
+
+
+def test_a_pin_from_another_boot_already_past_its_lease_protects_nothing(tmp_path):
+    store, pin = _reader_pins(tmp_path, _other_boot())
+    _shift_mtime(pin, -(LEASE + 5))  # a reader on another host that died 5 min ago
+    assert not _protected(store, pin, _pass(store, _same_boot()))
+
+
+@pytest.mark.parametrize("ahead", [HOUR, YEARS_10], ids=["1h", "10y"])
+def test_a_pin_that_looks_written_in_the_future_protects_one_lease_from_its_first_sighting(
+        tmp_path, ahead):
+    """The filesystem's clock stepped back by ``ahead`` after a reader on another host
+    pinned (or the mtime is forged): never zero, never forever."""
+    store, pin = _reader_pins(tmp_path, _other_boot())
+    _shift_mtime(pin, ahead)
+    maintainer = _same_boot()
+    assert _protected(store, pin, _pass(store, maintainer))
+    maintainer._boot.offset = LEASE - 5
+    assert _protected(store, pin, _pass(store, maintainer))
+    maintainer._boot.offset = LEASE + 5
+    assert not _protected(store, pin, _pass(store, maintainer))
+
+
+def test_a_pin_of_this_boot_from_the_boot_clocks_future_is_forged_and_lasts_one_lease(tmp_path):
+    store, pin = _reader_pins(tmp_path, _same_boot(offset=YEARS_10))
+    maintainer = _same_boot()
+    assert _protected(store, pin, _pass(store, maintainer))
+    maintainer._boot.offset = LEASE + 5
+    assert not _protected(store, pin, _pass(store, maintainer))
+
+
+@pytest.mark.parametrize("recorded", ["1.0", "1e18", "{now}"])
+def test_an_old_format_pin_lasts_the_lease_from_its_mtime(tmp_path, recorded):
+    """A pin of the one-number format (its writer's Unix expiry, written during a rolling
+    upgrade): its number is not trusted (any finite one reads), its age is its mtime's."""
+    store = _store(tmp_path)
+    paths = _fill(store, range(11))
+    for conv in range(11):
+        _shift_mtime(paths[conv], -(100 - conv))
+    entry = store.entry(os.path.basename(paths[0])[:-3])
+    pin = os.path.join(store.layout.pins_dir, f"{entry.entry_id}.{'ab' * 8}.pin")
+    with open(pin, "w") as f:
+        f.write(recorded.format(now=REAL_TIME() + LEASE) + "\n")
+    assert verify_store(store.layout).ok
+    maintainer = _same_boot()
+    assert _protected(store, pin, _pass(store, maintainer))
+    maintainer._boot.offset = LEASE + 5
+    assert not _protected(store, pin, _pass(store, maintainer))
+
+
+@pytest.mark.parametrize("text", ["v2 boot=- at=1 lease=nan\n", "v2 boot=- at=inf lease=1\n",
+                                  "v2 boot=- at=-1 lease=1\n", "v2 boot=x at=1 lease=1\n",
+                                  "v2 boot=- at=1 lease=1 more\n", "nan\n"])
+def test_an_unreadable_pin_protects_nothing_and_verify_names_it(tmp_path, text):
+    store = _store(tmp_path)
+    paths = _fill(store, range(11))
+    entry_id = os.path.basename(paths[0])[:-3]
+    pin = os.path.join(store.layout.pins_dir, f"{entry_id}.{'cd' * 8}.pin")
+    with open(pin, "w") as f:
+        f.write(text)
+    assert [p.kind for p in verify_store(store.layout).problems] == ["corrupt_pin"]
+    assert not _protected(store, pin, _pass(store, _same_boot()))
+
+
+def test_a_crashed_writers_temp_pin_goes_once_off_the_filesystems_now_either_way(tmp_path):
+    store = _store(tmp_path)
+    temps = {}
+    for n, (label, shift) in enumerate((("fresh", 0.0), ("old", -HOUR), ("ahead", HOUR))):
+        temps[label] = os.path.join(store.layout.pins_dir, f"{'e' * 40}.{str(n) * 16}.pin.tmp")
+        open(temps[label], "w").close()
+        _shift_mtime(temps[label], shift)
+    _pass(store, _same_boot(wall=YEARS_10))
+    assert {k: os.path.exists(p) for k, p in temps.items()} == {
+        "fresh": True, "old": False, "ahead": False}
+
+
+@pytest.mark.parametrize("offset", [-HOUR, YEARS_10], ids=["1h_behind", "10y_ahead"])
+def test_pass_due_asks_for_ttl_on_the_filesystems_clock(tmp_path, offset):
+    store = _store(tmp_path, ttl_seconds=60, max_bytes=1 << 30, low_watermark_bytes=1 << 29)
+    paths = _fill(store, range(2))
+    maintainer = _same_boot(wall=offset)
+    assert not pass_due(store, maintainer)
+    _shift_mtime(paths[1], -120)
+    store.catalog.refresh_recency()  # as a pass re-reads it
+    assert pass_due(store, maintainer)
