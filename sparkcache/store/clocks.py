@@ -77,7 +77,8 @@ def _boottime_offset(path: str = "/proc/self/timens_offsets") -> float:
 class Clock:
     """One process's clocks: ``wall()`` (reports only), ``boot()`` with ``boot_id``, and
     ``fs_now(layout)``; plus what this process has observed of pins (``sighting``).
-    Thread-safe. ``wall``, ``boot`` and ``boot_id`` are injectable (tests)."""
+    Thread-safe. ``wall``, ``boot`` and ``boot_id`` are injectable (tests); by default the
+    real ones (``boot_id="read"``: read from the kernel; None: no known boot)."""
 
     def __init__(self, wall: Callable[[], float] | None = None,
                  boot: Callable[[], float] | None = None, boot_id: str | None = "read") -> None:

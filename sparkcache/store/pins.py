@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 from dataclasses import dataclass
+from typing import Callable
 
 from .clocks import FUTURE_SLACK_S, SYSTEM_CLOCK, Clock
 from .layout import StoreLayout, UnsafePathError, is_entry_id
@@ -119,7 +120,7 @@ def read_pin(layout: StoreLayout, name: str) -> Pin | None:
 
 
 def pin_live(pin: Pin, name: str, where: str, lease_seconds: float, clocks: Clock,
-             fs_now) -> bool:
+             fs_now: Callable[[], float]) -> bool:
     """Whether ``pin`` (the file ``name`` in ``where``) still protects its entry, at most
     ``lease_seconds`` after it was written (see the module docstring). ``fs_now`` returns the
     filesystem's now; called only for a pin not from this boot, at its first sighting."""
@@ -169,7 +170,7 @@ def live_pins(layout: StoreLayout, lease_seconds: float, clocks: Clock = SYSTEM_
     return pinned
 
 
-def _stale_temp(layout: StoreLayout, name: str, fs_now) -> bool:
+def _stale_temp(layout: StoreLayout, name: str, fs_now: Callable[[], float]) -> bool:
     """Whether the pins directory's ``name`` was last written over ``_TEMP_STALE_S`` from
     the filesystem's now, either way (a pin being written takes microseconds; one stamped
     far ahead was written before that clock stepped back)."""
