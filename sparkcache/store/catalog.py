@@ -14,9 +14,12 @@ single attribute store, and writes the manifest's mtime.
 
 from __future__ import annotations
 
+from .clocks import FUTURE_SLACK_S
 from .identity import entry_id_for
 from .index import BadManifest, EntryIndex, IndexedEntry
 from .layout import StoreLayout, UnsafePathError, allocated
+
+_RESTAMP = 256  # manifests stamped in the future that one refresh re-stamps (the rest: later)
 
 
 class Catalog:
@@ -30,9 +33,21 @@ class Catalog:
         """Bring the view up to date with the manifests on disk (``force``: re-list all)."""
         self.index.refresh(force=force)
 
-    def refresh_recency(self) -> None:
-        """Re-read last-access times, which other processes may have touched."""
+    def refresh_recency(self, now: float | None = None) -> None:
+        """Re-read last-access times, which other processes may have touched. With ``now``
+        (the filesystem's, ``clocks``): a last access stamped in the future counts as now, and
+        up to ``_RESTAMP`` of them are re-stamped with the kernel's time, so that they age
+        from there (no clock far ahead makes an entry immune to the TTL)."""
         self.index.refresh_recency()
+        if now is None:
+            return
+        restamp = _RESTAMP
+        for entry in self.index.entries.values():
+            if entry.last_access > now + FUTURE_SLACK_S:
+                if restamp > 0:
+                    restamp -= 1
+                    self.touch(entry)
+                entry.last_access = min(entry.last_access, now)
 
     def add_published(self, identity_digest: str, entry_id: str) -> None:
         """Read the manifest a publication just renamed into place into the view."""
@@ -50,12 +65,12 @@ class Catalog:
             return [self.layout.manifests_dir]
         return []
 
-    def touch(self, entry: IndexedEntry, now: float) -> None:
-        """Record an access (LRU) in the manifest's mtime, visible to every process; best
-        effort (a read-only or full disk keeps the old time)."""
+    def touch(self, entry: IndexedEntry) -> None:
+        """Record an access (LRU) in the manifest's mtime, visible to every process, stamped
+        with the kernel's time (the filesystem's clock, never this process's wall clock:
+        ``clocks``); best effort (a read-only or full disk keeps the old time)."""
         try:
-            self.layout.touch(entry.path, now)
-            entry.last_access = now
+            entry.last_access = self.layout.touch(entry.path)
         except (OSError, UnsafePathError):
             pass
 

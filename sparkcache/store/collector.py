@@ -26,6 +26,7 @@ import time
 from typing import Sequence
 
 from .catalog import Catalog
+from .clocks import SYSTEM_CLOCK, Clock
 from .index import IndexedEntry
 from .layout import StoreLayout, UnsafePathError, is_identity_digest, parallel_map, sync_all
 from .locks import exclusive_lock
@@ -99,17 +100,18 @@ class Collector:
             if not self.catalog.complete:
                 raise ViewIncomplete(self.catalog.unknown())
 
-    def begin_pass(self, now: float, lease_seconds: float,
-                   max_bytes: int) -> tuple[set[str], set[str], int, list[IndexedEntry]]:
+    def begin_pass(self, now: float, lease_seconds: float, max_bytes: int,
+                   clocks: Clock = SYSTEM_CLOCK) -> tuple[set[str], set[str], int, list[IndexedEntry]]:
         """[gc lock] Live intents, re-listed manifests and recency, live pins (expired pin
-        files removed); starts draining when above ``max_bytes``. Returns (protected digests,
-        pinned entries, used bytes, entries least recently used first)."""
+        files removed); starts draining when above ``max_bytes``. ``now`` is the filesystem's
+        (``clocks``). Returns (protected digests, pinned entries, used bytes, entries least
+        recently used first)."""
         protected = self.refresh_view()
         with self.lock:
-            self.catalog.refresh_recency()
+            self.catalog.refresh_recency(now)
         self.require_complete()
         with self.lock:
-            pinned = live_pins(self.layout, lease_seconds, now, remove_expired=True)
+            pinned = live_pins(self.layout, lease_seconds, clocks, now=now, remove_expired=True)
             used = self.catalog.used_bytes
             if used > max_bytes:
                 self.draining = True  # evict down to the low watermark, over several passes
@@ -128,20 +130,22 @@ class Collector:
             return snapshot, self.catalog.deferred_count
 
     def any_expired(self, now: float, ttl_seconds: float) -> bool:
-        """Whether an entry was last used more than ``ttl_seconds`` before ``now``."""
+        """Whether an entry was last used more than ``ttl_seconds`` before ``now`` (the
+        filesystem's, ``clocks``)."""
         with self.lock:
             return any(now - e.last_access > ttl_seconds for e in self.catalog.entries())
 
     # ------------------------------------------------------------------ eviction
 
-    def discard(self, entry_ids: Sequence[str], lease_seconds: float) -> tuple[str, ...]:
+    def discard(self, entry_ids: Sequence[str], lease_seconds: float,
+                clocks: Clock = SYSTEM_CLOCK) -> tuple[str, ...]:
         """Evict these entries now, except pinned ones; returns those evicted. Takes the gc
         lock without waiting: nothing when another holds it or the disk fails."""
         try:
             with self.exclusive(timeout_s=0.0):
                 protected = self.refresh_view()
                 self.require_complete()
-                pinned = live_pins(self.layout, lease_seconds)
+                pinned = live_pins(self.layout, lease_seconds, clocks)
                 with self.lock:
                     done = tuple(e for e in entry_ids
                                  if e not in pinned and self.catalog.entry(e) is not None)

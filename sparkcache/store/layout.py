@@ -228,10 +228,14 @@ class StoreLayout:
         with self._parent(src) as (sfd, sname), self._parent(dst, create=create_dirs) as (dfd, dname):
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
 
-    def touch(self, path: str, when: float) -> None:
-        """Set ``path``'s access and modification times (never through a link)."""
+    def touch(self, path: str, when: float | None = None) -> float:
+        """Set ``path``'s access and modification times (never through a link) to ``when``,
+        or by default to the kernel's current time (``utimensat(UTIME_NOW)``: the
+        filesystem's clock, never this process's; see ``clocks``). Returns the mtime now."""
         with self._parent(path) as (fd, name):
-            os.utime(name, (when, when), dir_fd=fd, follow_symlinks=False)
+            os.utime(name, None if when is None else (when, when), dir_fd=fd,
+                     follow_symlinks=False)
+            return os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime
 
     def fsync_dir(self, path: str) -> None:
         with self.open_dir(path) as d:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import cpus
+from .clocks import Clock
 from .collector import ViewIncomplete
 from .layout import UnsafePathError
 from .locks import LockTimeout
@@ -107,12 +108,15 @@ class PassReport:
 
 
 def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
-             now: float | None = None, timer: Callable[[], float] = time.monotonic) -> PassReport:
+             clocks: Clock | None = None, timer: Callable[[], float] = time.monotonic) -> PassReport:
     """One budgeted pass (see the module docstring). Its ``duration_s`` is wall time from
     the call to the return, lock wait included; the pass plans to end by 80% of the budget
     and starts a unit of work only when its running cost estimate still fits. ``timer``
-    is the clock the pass paces itself by (monotonic seconds; a test may pass a fake one)."""
-    started_wall = time.time() if now is None else now
+    is the clock the pass paces itself by (monotonic seconds; a test may pass a fake one).
+    ``clocks`` (default: the store's) judge leases and recency (``clocks.py``: the boot
+    clock and the filesystem's, never the wall clock, which only dates the report)."""
+    clocks = store.clocks if clocks is None else clocks
+    started_wall = clocks.wall()
     collector = store.collector
     clock = PassClock(collector.unit_costs, budget.max_ms, now=timer)
     cpu0 = time.thread_time()
@@ -125,7 +129,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     try:
         with collector.exclusive(timeout_s=clock.lock_timeout()):
             lock_wait_s = clock.now() - clock.start
-            plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, started_wall))
+            plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, clocks))
             plan_s = clock.now() - clock.start - lock_wait_s
             protected = plan.protected
             # 1. finish what earlier passes left: fsync their manifest dirs, then delete their
@@ -193,12 +197,14 @@ class _Plan:
     items: Iterator[_Planned]  # the ``_plan`` generator, past its first value (an int)
 
 
-def _locked_plan(store: PageStore, now: float) -> tuple[_Plan, int, int]:
-    """Under the exclusive lock: live intents, re-listed manifests, recency, pins, the plan.
-    Returns (plan, pinned entries skipped, used bytes before the pass)."""
+def _locked_plan(store: PageStore, clocks: Clock) -> tuple[_Plan, int, int]:
+    """Under the exclusive lock: live intents, re-listed manifests, recency, pins, the plan
+    (judged at the filesystem's now, read afresh). Returns (plan, pinned entries skipped,
+    used bytes before the pass)."""
     collector = store.collector
+    now = clocks.fs_now(store.layout, fresh=True)
     protected, pinned, used_before, by_age = collector.begin_pass(now, store.lease_seconds,
-                                                                  store.max_bytes)
+                                                                  store.max_bytes, clocks)
     items = _plan(store, collector.catalog, by_age, pinned, collector.draining, now)
     skipped = next(items)
     return _Plan(protected, items), skipped, used_before
@@ -324,10 +330,9 @@ def _count_rest(plan, clock: PassClock) -> int:
     return count
 
 
-def pass_due(store: PageStore, now: float | None = None) -> bool:
+def pass_due(store: PageStore, clocks: Clock | None = None) -> bool:
     """Whether capacity, the free-space floor or TTL asks for a pass (cheap: the in-memory
-    view and one statvfs)."""
-    now = time.time() if now is None else now
+    view, one statvfs and, with a TTL, the filesystem's now: ``Clock.fs_now``)."""
     cap = store.capacity()
     if cap.used_bytes > store.max_bytes:
         return True
@@ -336,6 +341,7 @@ def pass_due(store: PageStore, now: float | None = None) -> bool:
     if store.free_space_deficit() > 0 and cap.entries:
         return True
     if store.ttl_seconds > 0:
+        now = (store.clocks if clocks is None else clocks).fs_now(store.layout)
         return store.collector.any_expired(now, store.ttl_seconds)
     return False
 

@@ -21,6 +21,7 @@ import time
 from typing import Sequence
 
 from .catalog import Catalog
+from .clocks import SYSTEM_CLOCK, Clock
 from .collector import Collector
 from .identity import BlockHash, Identity, block_keys, entry_id_for
 from .index import BadManifest, IndexedEntry
@@ -39,6 +40,8 @@ from ..settings import Settings, format_bytes
 
 
 class PageStore:
+    clocks: Clock = SYSTEM_CLOCK  # the process's clocks (``clocks.py``); a test sets its own
+
     def __init__(self, root: str, *, namespace: str = "default", max_bytes: int = 40 << 30,
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
                  ttl_seconds: float = 0.0, page_blocks: int = 16,
@@ -207,7 +210,7 @@ class PageStore:
         the collector holds the lock or the disk fails (the caller may try again later)."""
         if self.read_only:
             raise PermissionError(f"{self.layout.base}: opened read-only; removing entries needs a writer")
-        return self.collector.discard(entry_ids, self.lease_seconds)
+        return self.collector.discard(entry_ids, self.lease_seconds, self.clocks)
 
     def _failed(self, reason: Reason, started: float, entry_id: str, detail: str) -> PublishResult:
         return PublishResult(False, reason, entry_id, detail, duration_s=time.monotonic() - started)
@@ -260,7 +263,7 @@ class PageStore:
             if lease_id is None:
                 return self._miss(Reason.ABSENT, entry.entry_id, "entry was evicted during the lookup")
         if not self.read_only:
-            self.catalog.touch(entry, time.time())
+            self.catalog.touch(entry)
         return LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
 
     def read(self, handle: EntryHandle, n_blocks: int | None = None) -> ReadResult:
@@ -309,7 +312,7 @@ class PageStore:
         if entry is None:
             return None
         with shared_lock(self.layout, PIN_WAIT_S):
-            lease_id = create_pin(self.layout, entry_id, self.lease_seconds)
+            lease_id = create_pin(self.layout, entry_id, self.lease_seconds, self.clocks)
             try:
                 self.layout.lstat(entry.path)
             except FileNotFoundError:
@@ -371,7 +374,8 @@ class PageStore:
 
     def pinned(self, entry_id: str) -> bool:
         """Whether a live (unexpired) pin holds the entry."""
-        return entry_id in live_pins(self.layout, self.lease_seconds)
+        return entry_id in live_pins(self.layout, self.lease_seconds, self.clocks,
+                                     probe=not self.read_only)
 
     def check_verified(self, ref: PageRef) -> None:
         """Re-hash one object of an entry; raises ``ObjectError`` unless it is intact."""

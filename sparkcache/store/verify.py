@@ -4,13 +4,12 @@ re-hashed, every file under objects/ checked to be a regular file. Read-only."""
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 from .index import EntryIndex
 from .layout import StoreLayout, UnsafePathError, file_kind
 from .objects import ObjectError, ObjectStore
-from .pins import PIN_SUFFIX, pin_expiry
+from .pins import PIN_SUFFIX, read_pin
 
 
 @dataclass(frozen=True)
@@ -97,9 +96,16 @@ def _check_small_files(layout: StoreLayout, problems: list[Problem]) -> None:
         if kind != "file":
             problems.append(Problem("unsafe_file", path, f"a {kind} where pins are regular "
                                     "files: remove it", ()))
-        elif name.endswith(PIN_SUFFIX) and pin_expiry(layout, name, 0.0, time.time()) is None:
-            problems.append(Problem("corrupt_pin", path, "does not hold an expiry time; it "
-                                    "protects nothing and maintenance removes it", ()))
+        elif name.endswith(PIN_SUFFIX):
+            try:
+                pin = read_pin(layout, name)
+            except OSError as exc:
+                problems.append(Problem("unreadable", path, f"cannot be read ({exc}); maintenance "
+                                        "keeps its entry until it can: check the disk", ()))
+                continue
+            if pin is None:
+                problems.append(Problem("corrupt_pin", path, "does not hold a lease; it protects "
+                                        "nothing and maintenance removes it", ()))
     for name, kind in _listing(layout, layout.locks_dir, problems):
         if kind != "file":
             problems.append(Problem("unsafe_file", os.path.join(layout.locks_dir, name),

@@ -5,6 +5,7 @@ import os
 import time
 
 from sparkcache.store import MaintenanceThread, PassBudget, run_pass, verify_store
+from sparkcache.store.clocks import SYSTEM_CLOCK, Clock
 from store_helpers import IDENT, conv_keys, conv_pages, open_store, stopped_clock
 
 PAGE = 4096  # 16 blocks * 256 bytes: one filesystem block per page
@@ -73,10 +74,9 @@ def test_expired_pin_no_longer_protects(tmp_path):
     _fill(store, range(11))
     lease = store.lookup(IDENT, conv_keys(0, 16), lease=True)
     _age(store, 0, 1000)
-    # a pass 2 s later (its clock, not a sleep): past the 1 s lease, even counted from the
-    # pin file's ctime
-    run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000),
-             now=time.time() + 2)
+    # a pass 2 s later on the boot clock (its clocks, not a sleep): past the 1 s lease
+    later = Clock(boot=lambda: SYSTEM_CLOCK.boot() + 2, boot_id=SYSTEM_CLOCK.boot_id)
+    run_pass(store, PassBudget(max_entries=100, max_bytes=1 << 30, max_ms=5000), clocks=later)
     assert not store.lookup(IDENT, conv_keys(0, 16)).hit
     assert os.listdir(store.layout.pins_dir) == []  # the expired pin file was collected
     assert lease.lease_id
