@@ -8,50 +8,89 @@ order that makes a deletion crash-safe, the collector's (``collector.py``).
 
 The catalog takes no lock: ``PageStore`` and the ``Collector`` share one in-process lock
 and hold it around every call that changes the view or reads its sums. One exception:
-``touch`` (a lookup's recency) runs without it: it sets one entry's ``last_access``, a
-single attribute store, and writes the manifest's mtime.
+``touch`` (a lookup's recency) runs without it: it writes the manifest's mtime and a journal
+record, and returns the time for ``accessed``, which runs under the lock.
+
+Every change other processes must see goes into the journal (``journal.py``): a
+publication's manifest (``published``), a removal (``removed``), an access (``touch``).
 """
 
 from __future__ import annotations
 
 from .clocks import FUTURE_SLACK_S
 from .identity import entry_id_for
-from .index import BadManifest, EntryIndex, IndexedEntry
+from .index import BadManifest, EntryIndex, IndexedEntry, ManifestLimits
+from .journal import Op, Record, rescan
 from .layout import StoreLayout, UnsafePathError, allocated
 
 _RESTAMP = 256  # manifests stamped in the future that one refresh re-stamps (the rest: later)
 
 
 class Catalog:
-    def __init__(self, layout: StoreLayout, alloc_unit: int) -> None:
+    def __init__(self, layout: StoreLayout, alloc_unit: int,
+                 limits: ManifestLimits | None = None) -> None:
         self.layout = layout
-        self.index = EntryIndex(layout, alloc_unit)
+        self.index = EntryIndex(layout, alloc_unit, limits)
+        self._future: dict[str, IndexedEntry] = {}  # last accesses stamped ahead, not yet re-stamped
 
     # ------------------------------------------------------------------ sync with disk
 
-    def refresh(self, force: bool = False) -> None:
-        """Bring the view up to date with the manifests on disk (``force``: re-list all)."""
-        self.index.refresh(force=force)
+    def refresh(self, *, full: bool = False, complete: bool = False) -> None:
+        """Bring the view up to date with the manifests on disk (``EntryIndex.refresh``)."""
+        self.index.refresh(full=full, complete=complete)
 
     def refresh_recency(self, now: float | None = None) -> None:
-        """Re-read last-access times, which other processes may have touched. With ``now``
-        (the filesystem's, ``clocks``): a last access stamped in the future counts as now, and
-        up to ``_RESTAMP`` of them are re-stamped with the kernel's time, so that they age
-        from there (no clock far ahead makes an entry immune to the TTL)."""
+        """Re-read some last-access times from disk (``EntryIndex.refresh_recency``). With
+        ``now`` (the filesystem's, ``clocks``): a last access stamped in the future counts as
+        now, and up to ``_RESTAMP`` of them are re-stamped with the kernel's time, so that they
+        age from there (no clock far ahead makes an entry immune to the TTL)."""
         self.index.refresh_recency()
         if now is None:
             return
+        for entry in self.index.take_recency_changes():
+            self._future[entry.entry_id] = entry
         restamp = _RESTAMP
-        for entry in self.index.entries.values():
-            if entry.last_access > now + FUTURE_SLACK_S:
-                if restamp > 0:
-                    restamp -= 1
-                    self.touch(entry)
-                entry.last_access = min(entry.last_access, now)
+        for entry_id, entry in list(self._future.items()):
+            if self.index.entries.get(entry_id) is not entry or entry.last_access <= now + FUTURE_SLACK_S:
+                del self._future[entry_id]
+                continue
+            if restamp > 0:
+                restamp -= 1
+                when = self.touch(entry)
+                if when is not None and when <= now + FUTURE_SLACK_S:
+                    del self._future[entry_id]
+            if entry.last_access > now:
+                self.index.set_access(entry, now)
+
+    def published(self, identity_digest: str, entry_id: str) -> None:
+        """[shared gc lock] Tell every process about a manifest just renamed into place (a
+        journal record; raises ``JournalError``)."""
+        self.index.journal.append([Record(Op.PUBLISHED, identity_digest, entry_id)])
 
     def add_published(self, identity_digest: str, entry_id: str) -> None:
         """Read the manifest a publication just renamed into place into the view."""
         self.index.load(identity_digest, entry_id)
+
+    def removed(self, paths: list[str]) -> None:
+        """[exclusive gc lock] Tell every process these manifests were unlinked (best effort:
+        one the journal misses stays in other views, where a lookup finds its manifest gone)."""
+        records = []
+        for path in paths:
+            idd, name = path.split("/")[-2:]
+            records.append(Record(Op.REMOVED, idd, name.rsplit(".", 1)[0]))
+        try:
+            self.index.journal.append(records)
+        except OSError:
+            pass
+
+    def ask_rescan(self) -> None:
+        """A publisher died between renaming its manifest and journaling it: every process
+        lists the manifests again (this one at its next complete refresh)."""
+        self.index.rescan_wanted()
+        try:
+            self.index.journal.append([rescan()])
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ manifest files
 
@@ -65,14 +104,46 @@ class Catalog:
             return [self.layout.manifests_dir]
         return []
 
-    def touch(self, entry: IndexedEntry) -> None:
+    def touch(self, entry: IndexedEntry) -> float | None:
         """Record an access (LRU) in the manifest's mtime, visible to every process, stamped
         with the kernel's time (the filesystem's clock, never this process's wall clock:
-        ``clocks``); best effort (a read-only or full disk keeps the old time)."""
+        ``clocks``), and journal it; returns the time for ``accessed`` (None: not recorded,
+        a read-only or full disk keeps the old time)."""
         try:
-            entry.last_access = self.layout.touch(entry.path)
+            when = self.layout.touch(entry.path)
+            self.index.journal.append([Record(Op.ACCESSED, entry.manifest.identity_digest,
+                                              entry.entry_id)])
+            return when
         except (OSError, UnsafePathError):
-            pass
+            return None
+
+    def accessed(self, entry: IndexedEntry, when: float | None) -> None:
+        """This process's own access, in its view (``when`` from ``touch``)."""
+        if when is not None and self.index.entries.get(entry.entry_id) is entry:
+            self.index.set_access(entry, when)
+
+    def oldest(self, n: int) -> list[IndexedEntry]:
+        """Up to ``n`` entries, least recently used first."""
+        return self.index.oldest(n)
+
+    def drop_vanished(self, entry: IndexedEntry) -> None:
+        """A lookup found ``entry``'s manifest gone (its removal's record was lost): out of
+        the view."""
+        if self.index.entries.get(entry.entry_id) is entry:
+            self.index.forget_name(entry.manifest.identity_digest, entry.entry_id)
+
+    @property
+    def limits(self) -> ManifestLimits | None:
+        return self.index.limits
+
+    def unit_of(self, entry: IndexedEntry) -> list[IndexedEntry]:
+        """The shards of ``entry``'s unit (``EntryIndex.unit_of``)."""
+        return self.index.unit_of(entry)
+
+    def oldest_access(self) -> float | None:
+        """The least recent last access, or None when there is no entry."""
+        found = self.index.oldest(1)
+        return found[0].last_access if found else None
 
     # ------------------------------------------------------------------ queries
 

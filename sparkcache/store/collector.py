@@ -84,14 +84,17 @@ class Collector:
     # ------------------------------------------------------------------ one pass's ends
 
     def refresh_view(self) -> set[str]:
-        """[gc lock] Digests of live publications, then a full re-list of the manifests (in
-        that order, so an entry published meanwhile is seen by one of them). Raises
+        """[gc lock] Digests of live publications, then the journal since the last refresh (and
+        a full listing when a record or a dead publication asks for it), in that order, so an
+        entry published meanwhile is seen by one of them. Raises
         ``OSError`` when the live publications cannot be read; the view may come back
         incomplete (``catalog.complete``), and then nothing may be deleted on it."""
-        protected, _ = read_live_intents(self.layout)
+        protected, dead = read_live_intents(self.layout)
         with self.lock:
+            if dead:  # a publisher died: it may have renamed a manifest it never journaled
+                self.catalog.ask_rescan()
             self.catalog.unlinked()  # the gc lock's holder unlinks: none of ours is in flight
-            self.catalog.refresh(force=True)
+            self.catalog.refresh(complete=True)
         return protected
 
     def require_complete(self) -> None:
@@ -101,7 +104,7 @@ class Collector:
                 raise ViewIncomplete(self.catalog.unknown())
 
     def begin_pass(self, now: float, lease_seconds: float, max_bytes: int,
-                   clocks: Clock = SYSTEM_CLOCK) -> tuple[set[str], set[str], int, list[IndexedEntry]]:
+                   clocks: Clock = SYSTEM_CLOCK, window: int = 1 << 30) -> tuple[set[str], set[str], int, list[IndexedEntry]]:
         """[gc lock] Live intents, re-listed manifests and recency, live pins (expired pin
         files removed); starts draining when above ``max_bytes``. ``now`` is the filesystem's
         (``clocks``). Returns (protected digests, pinned entries, used bytes, entries least
@@ -115,7 +118,7 @@ class Collector:
             used = self.catalog.used_bytes
             if used > max_bytes:
                 self.draining = True  # evict down to the low watermark, over several passes
-            by_age = sorted(self.catalog.entries(), key=lambda e: e.last_access)
+            by_age = self.catalog.oldest(window)
         return protected, pinned, used, by_age
 
     def end_pass(self, max_bytes: int, low_watermark_bytes: int) -> tuple[CapacitySnapshot, int]:
@@ -133,7 +136,8 @@ class Collector:
         """Whether an entry was last used more than ``ttl_seconds`` before ``now`` (the
         filesystem's, ``clocks``)."""
         with self.lock:
-            return any(now - e.last_access > ttl_seconds for e in self.catalog.entries())
+            oldest = self.catalog.oldest_access()
+        return oldest is not None and now - oldest > ttl_seconds
 
     # ------------------------------------------------------------------ eviction
 
@@ -193,6 +197,7 @@ class Collector:
         try:
             clock.run("unlink_batch", work) if clock is not None else work()
         finally:
+            self.catalog.removed(paths)
             with self.lock:
                 self.catalog.unlinked(paths)
 

@@ -1,28 +1,76 @@
-"""The in-memory view of the manifests on disk: entries, a block-hash index, object refcounts.
+"""The in-memory view of the manifests on disk: entries, a block-key index, object refcounts,
+recency and the tensor-parallel units of the entries.
 
-Disk is the truth; ``refresh`` brings the view up to date with what this and other
-processes published or evicted (it re-lists a manifest directory only when its mtime moved,
-or when the mtime is too recent to trust). Byte accounting counts every referenced object
-once, however many entries share it, in whole filesystem blocks.
+Disk is the truth. Opening a store lists every manifest (``refresh(full=True)``); from then on
+``refresh`` reads the journal (``journal.py``): one ``fstat`` when nothing changed, and for
+each new record the one manifest it names, so a lookup costs the same with 100 or 100,000
+entries. A record that asks for it (``r``: a publisher died mid-way) makes the next
+``complete`` refresh list every manifest again. Byte accounting counts every referenced
+object once, however many entries share it, in whole filesystem blocks.
+
+What a refresh could not learn (a listing, a manifest, the journal or a last access that
+failed with EIO, EACCES, ENOMEM...) is ``unknown``: what the view held of it stays, it is
+read again by the next refreshes, and while anything is unknown the view is not ``complete``
+and nothing is deleted on its word (``collector.py``). Only a file the store knows to be bad
+(a link, a FIFO, a directory, an oversized file, a body that does not decode, a manifest that
+declares more than the store's cap allows: ``ManifestLimits``) is ``bad``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
 import os
 import stat
-import time
 from dataclasses import dataclass, field
 
+from .identity import Identity
+from .journal import Journal, JournalError, Op, Record
 from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is_entry_id, \
     is_identity_digest, occupied
 from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
 from .reasons import Reason
 
 _RECENCY = " (last access)"  # the suffix of an unknown recency's key in ``unknown``
-_MTIME_TRUST_S = 0.05  # directory mtimes newer than this may hide a change in the same tick
+# A manifest may declare at most this many blocks (4M tokens at 16 per block; the in-memory
+# index costs a few hundred bytes per block key, in every process that opens the store).
+MAX_ENTRY_KEYS = 1 << 18
+_RETRIES_PER_LOOKUP = 4  # unreadable manifests a lookup's refresh tries again
+RECENCY_SWEEP = 1024  # last accesses a complete refresh re-reads from disk, round-robin
 
 
-@dataclass
+@dataclass(frozen=True)
+class ManifestLimits:
+    """What one manifest may declare, from the store's cap: an entry larger than the store,
+    or of more objects than the store can hold, was not written by a writer of this store."""
+
+    max_bytes: int  # its objects' declared bytes (pages and state)
+    max_objects: int  # each occupies at least one allocation unit
+    max_keys: int = MAX_ENTRY_KEYS
+
+    @classmethod
+    def for_store(cls, max_bytes: int, alloc_unit: int) -> "ManifestLimits":
+        return cls(max_bytes, max(1, max_bytes // max(1, alloc_unit)))
+
+    def refusal(self, m: Manifest) -> str | None:
+        """Why ``m`` declares more than this store can hold, or None."""
+        return self.refusal_of(len(m.objects), sum(p.size for p in m.objects), m.block_count)
+
+    def refusal_of(self, objects: int, declared_bytes: int, blocks: int) -> str | None:
+        """Why an entry of ``objects`` objects of ``declared_bytes`` bytes in all, holding
+        ``blocks`` blocks, is more than this store can hold, or None."""
+        if declared_bytes > self.max_bytes:
+            return (f"an entry of {declared_bytes} bytes is larger than the store's cap "
+                    f"({self.max_bytes}, SPARKCACHE_MAX_BYTES)")
+        if objects > self.max_objects:
+            return f"{objects} objects are more than the store's cap can hold ({self.max_objects})"
+        if blocks > self.max_keys:
+            return f"{blocks} blocks are more than an entry may hold ({self.max_keys})"
+        return None
+
+
+@dataclass(eq=False)
 class IndexedEntry:
     manifest: Manifest
     path: str
@@ -30,6 +78,8 @@ class IndexedEntry:
     manifest_bytes: int
     last_access: float
     unique_pages: tuple = ()  # distinct PageRefs (pages and state), computed once
+    unit_key: tuple = ()  # the shards of one entry that tensor-parallel ranks publish share it
+    lru_seq: int = 0  # its current item in the recency heap
 
     def __post_init__(self) -> None:
         if not self.unique_pages:
@@ -52,18 +102,22 @@ class BadManifest:
 
 @dataclass
 class _DirMark:
-    mtime_ns: int
-    names: dict[str, int] = field(default_factory=dict)  # entry id -> inode
+    names: dict[str, int] = field(default_factory=dict)  # entry id -> inode, as last listed
 
 
 class EntryIndex:
-    def __init__(self, layout: StoreLayout, alloc_unit: int) -> None:
+    def __init__(self, layout: StoreLayout, alloc_unit: int,
+                 limits: ManifestLimits | None = None) -> None:
         self.layout = layout
         self.alloc_unit = alloc_unit
+        self.limits = limits
+        self.journal = Journal(layout)
         self.entries: dict[str, IndexedEntry] = {}
         self.bad: dict[str, BadManifest] = {}
-        self.blocks: dict[str, dict[str, tuple[int, set[str]]]] = {}
+        # identity -> block key -> (its position, the entry holding it, or a set of several)
+        self.blocks: dict[str, dict[str, tuple[int, str | set[str]]]] = {}
         self.ends: dict[str, dict[str, set[str]]] = {}  # identity -> last block key -> entries
+        self.units: dict[tuple, set[str]] = {}  # unit key -> its shards' entry ids
         self.refcount: dict[str, int] = {}
         self.object_size: dict[str, int] = {}  # bytes each referenced object occupies on disk
         self.objects_bytes = 0
@@ -72,26 +126,31 @@ class EntryIndex:
         # bytes they occupy.
         self.deferred: dict[str, int] = {}
         # Manifests of entries the collector dropped from the view and is unlinking: path ->
-        # inode. A listing that still finds one must not read it back in (its objects would
-        # stay referenced, then be left on disk once the file is gone).
+        # inode. A listing or record that still finds one must not read it back in (its
+        # objects would stay referenced, then be left on disk once the file is gone).
         self.unlinking: dict[str, int] = {}
         # Files under manifests/ that are not manifests the store can read (links, FIFOs,
         # files where an identity directory belongs): path -> why. ``verify`` lists them.
         self.strays: dict[str, str] = {}
-        # Paths whose state the last attempt could not learn (a listing or a read that failed
-        # with EIO, EACCES, ENOMEM...): path -> why. Never taken for "gone" or "corrupt": what
-        # was known of them stays, they are read again by every refresh, and while any is
-        # here the view is not ``complete`` and nothing is deleted on its word.
+        # Paths whose state the last attempt could not learn: path -> why (see the module
+        # docstring). Never taken for "gone" or "corrupt".
         self.unknown: dict[str, str] = {}
         self._marks: dict[str, _DirMark] = {}
-
-    # ------------------------------------------------------------------ accounting
+        self._ever_listed = False  # a full listing was made (opening the store)
+        self._listed = False  # it succeeded, the journal was read since, and no record asked for another
+        self._lru: list[tuple[float, int, str]] = []  # (last access, seq, entry id), lazily pruned
+        self._seq = itertools.count(1)
+        self._recency_cursor: list[str] = []  # entries whose last access the next sweeps re-read
+        self._recency_changed: set[str] = set()  # last accesses read from disk since taken
+        self._rank0: dict[Identity, str] = {}
 
     @property
     def complete(self) -> bool:
-        """Whether every listing and manifest read of the last refreshes succeeded: only then
-        does the view know every manifest, and may an object's deletion rest on it."""
-        return not self.unknown
+        """Whether the view knows every manifest: a full listing and every journal record since
+        were read, and nothing is unknown. Only then may an object's deletion rest on it."""
+        return self._listed and not self.unknown
+
+    # ------------------------------------------------------------------ accounting
 
     @property
     def used_bytes(self) -> int:
@@ -128,7 +187,8 @@ class EntryIndex:
             self.remove(entry.entry_id)
         self.bad.pop(entry.entry_id, None)
         m = entry.manifest
-        self.entries[m.entry_id] = entry
+        eid = m.entry_id
+        self.entries[eid] = entry
         self.manifests_bytes += allocated(entry.manifest_bytes, self.alloc_unit)
         for page in entry.unique_pages:
             count = self.refcount.get(page.digest, 0)
@@ -138,14 +198,24 @@ class EntryIndex:
                 self.objects_bytes += size - self.object_size.get(page.digest, 0)
                 self.object_size[page.digest] = size
             self.refcount[page.digest] = count + 1
-        self.ends.setdefault(m.identity_digest, {}).setdefault(m.block_keys[-1], set()).add(m.entry_id)
-        by_key = self.blocks.setdefault(m.identity_digest, {})
+        idd = m.identity_digest
+        self.ends.setdefault(idd, {}).setdefault(m.block_keys[-1], set()).add(eid)
+        by_key = self.blocks.setdefault(idd, {})
         for pos, key in enumerate(m.block_keys):
             slot = by_key.get(key)
             if slot is None:
-                by_key[key] = (pos, {m.entry_id})
+                by_key[key] = (pos, eid)
             elif slot[0] == pos:
-                slot[1].add(m.entry_id)
+                holders = slot[1]
+                if isinstance(holders, str):
+                    if holders != eid:
+                        by_key[key] = (pos, {holders, eid})
+                else:
+                    holders.add(eid)
+        entry.unit_key = self._unit_key(m)
+        self.units.setdefault(entry.unit_key, set()).add(eid)
+        self.set_access(entry, entry.last_access)
+        self._recency_changed.add(eid)
 
     def remove(self, entry_id: str) -> list[str]:
         """Drop an entry from the view; returns digests no entry references any more."""
@@ -163,20 +233,110 @@ class EntryIndex:
                 freed.append(page.digest)
             else:
                 self.refcount[page.digest] = count
-        ends = self.ends.get(m.identity_digest, {})
+        idd = m.identity_digest
+        ends = self.ends.get(idd, {})
         ending = ends.get(m.block_keys[-1])
         if ending is not None:
             ending.discard(entry_id)
             if not ending:
                 del ends[m.block_keys[-1]]
-        by_key = self.blocks.get(m.identity_digest, {})
+        by_key = self.blocks.get(idd, {})
         for key in m.block_keys:
             slot = by_key.get(key)
-            if slot is not None:
-                slot[1].discard(entry_id)
-                if not slot[1]:
+            if slot is None:
+                continue
+            holders = slot[1]
+            if isinstance(holders, str):
+                if holders == entry_id:
                     del by_key[key]
+            else:
+                holders.discard(entry_id)
+                if len(holders) == 1:
+                    by_key[key] = (slot[0], next(iter(holders)))
+                elif not holders:
+                    del by_key[key]
+        unit = self.units.get(entry.unit_key)
+        if unit is not None:
+            unit.discard(entry_id)
+            if not unit:
+                del self.units[entry.unit_key]
+        self._recency_changed.discard(entry_id)
         return freed
+
+    def _unit_key(self, m: Manifest) -> tuple:
+        identity = m.identity
+        rank0 = self._rank0.get(identity)
+        if rank0 is None:
+            rank0 = self._rank0[identity] = dataclasses.replace(identity, tp_rank=0).digest()
+        return rank0, m.block_keys[-1], m.block_count
+
+    # ------------------------------------------------------------------ recency
+
+    def set_access(self, entry: IndexedEntry, when: float) -> None:
+        """Record ``entry``'s last access (from disk, or this process's own touch)."""
+        entry.last_access = when
+        entry.lru_seq = next(self._seq)
+        heapq.heappush(self._lru, (when, entry.lru_seq, entry.entry_id))
+        if len(self._lru) > 2 * len(self.entries) + 4096:  # prune the stale items
+            self._lru = [(e.last_access, e.lru_seq, e.entry_id) for e in self.entries.values()]
+            heapq.heapify(self._lru)
+
+    def oldest(self, n: int) -> list[IndexedEntry]:
+        """Up to ``n`` entries, least recently used first (O(n log entries))."""
+        taken, out = [], []
+        lru, entries = self._lru, self.entries
+        while lru and len(out) < n:
+            item = heapq.heappop(lru)
+            entry = entries.get(item[2])
+            if entry is not None and entry.lru_seq == item[1]:
+                taken.append(item)
+                out.append(entry)
+        for item in taken:
+            heapq.heappush(lru, item)
+        return out
+
+    def take_recency_changes(self) -> list[IndexedEntry]:
+        """Entries whose last access was read from disk since the last call."""
+        changed, self._recency_changed = self._recency_changed, set()
+        return [self.entries[e] for e in changed if e in self.entries]
+
+    def _read_access(self, entry: IndexedEntry) -> None:
+        try:
+            st = self.layout.lstat(entry.path)
+        except (FileNotFoundError, UnsafePathError):
+            return  # gone or replaced: the journal or the next listing says so
+        except OSError as exc:
+            self.unknown[entry.path + _RECENCY] = f"cannot read its last access: {exc}"
+            return
+        self.unknown.pop(entry.path + _RECENCY, None)
+        if st.st_ino == entry.inode and st.st_mtime != entry.last_access:
+            self.set_access(entry, st.st_mtime)
+            self._recency_changed.add(entry.entry_id)
+
+    def refresh_recency(self, limit: int = RECENCY_SWEEP) -> None:
+        """Re-read up to ``limit`` last accesses (manifest mtimes) from disk, round-robin over
+        the entries, and every one that could not be read before. Accesses by the store's own
+        lookups arrive through the journal; this catches a time set any other way."""
+        for key in [k for k in self.unknown if k.endswith(_RECENCY)]:
+            name = os.path.basename(key[: -len(_RECENCY)])
+            entry = self.entries.get(name[: -len(MANIFEST_SUFFIX)])
+            if entry is None:
+                del self.unknown[key]
+            else:
+                self._read_access(entry)
+        if len(self.entries) <= limit:
+            for entry in list(self.entries.values()):
+                self._read_access(entry)
+            return
+        done: set[str] = set()
+        while len(done) < limit:
+            if not self._recency_cursor:
+                self._recency_cursor = list(self.entries)
+            entry_id = self._recency_cursor.pop()
+            entry = self.entries.get(entry_id)
+            if entry is not None and entry_id not in done:
+                done.add(entry_id)
+                self._read_access(entry)
 
     # ------------------------------------------------------------------ queries
 
@@ -195,43 +355,112 @@ class EntryIndex:
                     out.append(entry_id)
         return out
 
+    def unit_of(self, entry: IndexedEntry) -> list[IndexedEntry]:
+        """Every entry of ``entry``'s unit (the shards tensor-parallel ranks published of the
+        same blocks, identities differing only in ``tp_rank``), itself included."""
+        return [self.entries[e] for e in self.units.get(entry.unit_key, ()) if e in self.entries]
+
     def longest_match(self, identity_digest: str, keys: list[str], *,
                       with_state: bool = False) -> tuple[IndexedEntry | None, int]:
         """The entry holding the longest prefix of ``keys`` and that prefix's length in blocks.
         ``with_state``: only an entry that ends exactly there and holds the recurrent state
-        at its end (a hybrid model resumes only where a state was taken)."""
-        if with_state:
-            return self._longest_with_state(identity_digest, keys)
+        at its end (a hybrid model resumes only where a state was taken). Block keys are
+        chained (a key names its whole prefix), so the stored depth is found by bisection:
+        O(log n) lookups for a request of n blocks."""
         by_key = self.blocks.get(identity_digest)
-        if not by_key:
+        if not by_key or not keys:
             return None, 0
-        for k in range(len(keys), 0, -1):
-            slot = by_key.get(keys[k - 1])
+        depth = _stored_depth(by_key, keys)
+        wanted = tuple(keys)
+        if with_state:
+            ends = self.ends.get(identity_digest, {})
+            for k in range(depth, 0, -1):
+                for entry in self._by_recency(ends.get(keys[k - 1], ())):
+                    m = entry.manifest
+                    if m.state is not None and m.block_count == k and m.block_keys == wanted[:k]:
+                        return entry, k
+            return None, 0
+        for k in itertools.chain((depth,), range(depth - 1, 0, -1)):
+            slot = by_key.get(keys[k - 1]) if k > 0 else None
             if slot is None or slot[0] != k - 1:
                 continue
-            candidates = sorted((self.entries[e] for e in slot[1] if e in self.entries),
-                                key=lambda e: (e.manifest.block_count, e.last_access), reverse=True)
-            for entry in candidates:
-                if list(entry.manifest.block_keys[:k]) == keys[:k]:
+            holders = slot[1]
+            ids = (holders,) if isinstance(holders, str) else holders
+            for entry in sorted((self.entries[e] for e in ids if e in self.entries),
+                                key=lambda e: (e.manifest.block_count, e.last_access), reverse=True):
+                if entry.manifest.block_keys[:k] == wanted[:k]:
                     return entry, k
         return None, 0
 
-    def _longest_with_state(self, identity_digest: str, keys: list[str]) -> tuple[IndexedEntry | None, int]:
-        ends = self.ends.get(identity_digest)
-        if not ends:
-            return None, 0
-        for k in range(len(keys), 0, -1):
-            candidates = sorted((self.entries[e] for e in ends.get(keys[k - 1], ()) if e in self.entries),
-                                key=lambda e: e.last_access, reverse=True)
-            for entry in candidates:
-                m = entry.manifest
-                if m.state is not None and m.block_count == k and list(m.block_keys) == keys[:k]:
-                    return entry, k
-        return None, 0
+    def _by_recency(self, ids) -> list[IndexedEntry]:
+        return sorted((self.entries[e] for e in ids if e in self.entries),
+                      key=lambda e: e.last_access, reverse=True)
 
     # ------------------------------------------------------------------ sync with disk
 
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self, *, full: bool = False, complete: bool = False) -> None:
+        """Bring the view up to date. Default (a lookup's): the journal's new records, and
+        another try of a few manifests that could not be read. ``complete`` (a maintenance
+        pass, before it deletes anything): list everything again when a record asked for it,
+        a listing failed or the journal could not be read, and try every unknown manifest
+        again. ``full``: list every manifest (opening a store)."""
+        if full or not self._ever_listed:
+            self._list_all()
+        else:
+            try:
+                records = self.journal.poll()
+                self.unknown.pop(self.journal.path, None)
+            except JournalError as exc:
+                self.unknown[self.journal.path] = f"cannot read the journal (retried): {exc}"
+                self._listed = False  # what it said is lost: list again once it reads
+                records = []
+            for record in records:
+                self._apply(record)
+            if complete and not self._listed:
+                self._list_all()
+        retry = [p for p in self.unknown if p.endswith(MANIFEST_SUFFIX)]
+        for path in retry if complete else retry[:_RETRIES_PER_LOOKUP]:
+            idd, name = path.split(os.sep)[-2:]
+            self.load(idd, name[: -len(MANIFEST_SUFFIX)])
+
+    def _apply(self, record: Record) -> None:
+        if record.op is Op.RESCAN:
+            self._listed = False
+            return
+        if not (is_identity_digest(record.identity_digest) and is_entry_id(record.entry_id)):
+            return
+        if record.op is Op.PUBLISHED:
+            self.load(record.identity_digest, record.entry_id)
+        elif record.op is Op.REMOVED:
+            self.forget_name(record.identity_digest, record.entry_id)
+        elif record.op is Op.ACCESSED:
+            entry = self.entries.get(record.entry_id)
+            if entry is not None:
+                self._read_access(entry)
+
+    def rescan_wanted(self) -> None:
+        """The next complete refresh lists every manifest again."""
+        self._listed = False
+
+    def forget_name(self, idd: str, entry_id: str) -> None:
+        """The manifest ``idd/entry_id`` is gone: out of the view, whatever was known of it."""
+        self.remove(entry_id)
+        self.bad.pop(entry_id, None)
+        self.unknown.pop(self.layout.manifest_path(idd, entry_id), None)
+        mark = self._marks.get(idd)
+        if mark is not None:
+            mark.names.pop(entry_id, None)
+
+    def _list_all(self) -> None:
+        """List every identity directory and read each manifest not known with its inode. What
+        the journal holds from here on is read by the next refreshes."""
+        self._ever_listed = True
+        self._listed = False
+        try:
+            self.journal.end()
+            self.unknown.pop(self.journal.path, None)
+        except JournalError as exc:
+            self.unknown[self.journal.path] = f"cannot read the journal (retried): {exc}"
         top = self.layout.manifests_dir
         try:
             found = self.layout.scandir_files(top)
@@ -244,12 +473,11 @@ class EntryIndex:
             self.unknown[top] = f"cannot list manifests (retried): {exc}"
             return
         self.unknown.pop(top, None)
-        dirs: dict[str, int] = {}  # identity -> its directory's mtime
+        dirs: list[str] = []
         for name, st in found:
-            path = os.path.join(self.layout.manifests_dir, name)
+            path = os.path.join(top, name)
             if is_identity_digest(name) and stat.S_ISDIR(st.st_mode):
-                dirs[name] = st.st_mtime_ns
-                self.strays.pop(path, None)
+                dirs.append(name)
             else:
                 self.strays[path] = ("not an identity directory of manifests (a link, a file "
                                      "or a stray name); the store ignores it: remove it")
@@ -258,34 +486,27 @@ class EntryIndex:
                 self.remove(entry_id)
                 self.bad.pop(entry_id, None)
             self._forget_unknown_under(self.layout.identity_dir(gone))
-        for idd, mtime_ns in dirs.items():
-            if force or not self._unchanged(idd, mtime_ns) or self._unknown_under(idd):
-                self._refresh_dir(idd, force)
+        for idd in dirs:
+            self._list_dir(idd)
+        self._listed = not any(not p.endswith((MANIFEST_SUFFIX, _RECENCY)) for p in self.unknown)
 
-    def _unchanged(self, idd: str, mtime_ns: int) -> bool:
-        """Whether the identity directory's mtime (old enough to trust) is the one its last
-        listing saw: then nothing was published or removed in it since."""
-        mark = self._marks.get(idd)
-        settled = time.time() - mtime_ns / 1e9 > _MTIME_TRUST_S
-        return mark is not None and settled and mark.mtime_ns == mtime_ns
-
-    def _refresh_dir(self, idd: str, force: bool) -> None:
+    def _list_dir(self, idd: str) -> None:
         path = self.layout.identity_dir(idd)
         try:
             with self.layout.open_dir(path) as d:
-                listing = self._changed_listing(idd, d.fd, force)
+                with os.scandir(d.fd) as it:  # inodes from the directory itself, no stat per file
+                    listing = [(e.name, e.inode()) for e in it]
+                self.unknown.pop(path, None)
+                self._read_listing(idd, path, listing, d.fd)
         except FileNotFoundError:
             return
         except UnsafePathError as exc:
             self.strays[path] = f"cannot list: {exc}"
-            return
         except OSError as exc:  # not known: what the view holds of it stays
             self.unknown[path] = f"cannot list (retried): {exc}"
-            return
-        self.unknown.pop(path, None)
-        if listing is None:
-            return
-        mark = self._marks[idd]
+
+    def _read_listing(self, idd: str, path: str, listing: list[tuple[str, int]], dir_fd: int) -> None:
+        mark = self._marks.setdefault(idd, _DirMark())
         seen: dict[str, int] = {}
         for name, inode in listing:
             if not name.endswith(MANIFEST_SUFFIX):
@@ -294,52 +515,32 @@ class EntryIndex:
             if is_entry_id(entry_id):
                 seen[entry_id] = inode
         for entry_id in set(mark.names) - set(seen):
-            self.remove(entry_id)
-            self.bad.pop(entry_id, None)
-            self.unknown.pop(self.layout.manifest_path(idd, entry_id), None)
-        for entry_id in [p for p in self.unknown if p.startswith(path + os.sep)]:
-            if os.path.basename(entry_id)[: -len(MANIFEST_SUFFIX)] not in seen:
-                del self.unknown[entry_id]  # listed, and no longer there
+            self.forget_name(idd, entry_id)
+        for unknown in [p for p in self.unknown if p.startswith(path + os.sep)]:
+            if os.path.basename(unknown)[: -len(MANIFEST_SUFFIX)] not in seen:
+                del self.unknown[unknown]  # listed, and no longer there
         for entry_id, inode in seen.items():
             known = self.entries.get(entry_id)
-            if (known is not None and known.inode == inode
-                    and self.layout.manifest_path(idd, entry_id) not in self.unknown):
-                continue
-            if self.unlinking and self.unlinking.get(self.layout.manifest_path(idd, entry_id)) == inode:
+            if known is not None and known.inode == inode:
                 continue
             bad = self.bad.get(entry_id)
             if bad is not None and bad.inode == inode:
                 continue
-            self.load(idd, entry_id)
+            self.load(idd, entry_id, dir_fd=dir_fd)
         mark.names = {e: i for e, i in seen.items() if e in self.entries or e in self.bad
                       or self.layout.manifest_path(idd, e) in self.unknown}
 
-    def _changed_listing(self, idd: str, fd: int, force: bool) -> list[tuple[str, int]] | None:
-        """(name, inode) of the identity directory open at ``fd``; None when its mtime says
-        nothing changed since the last listing (and the mtime is old enough to trust)."""
-        st = os.fstat(fd)
-        if not force and self._unchanged(idd, st.st_mtime_ns):
-            return None
-        mark = self._marks.get(idd)
-        settled = time.time() - st.st_mtime_ns / 1e9 > _MTIME_TRUST_S
-        if mark is None:
-            mark = self._marks[idd] = _DirMark(st.st_mtime_ns)
-        # Record the mtime seen *before* listing: a change during the listing moves it again.
-        mark.mtime_ns = st.st_mtime_ns if settled else -1
-        with os.scandir(fd) as it:  # inodes from the directory itself, no stat per file
-            return [(e.name, e.inode()) for e in it]
-
-    def load(self, idd: str, entry_id: str) -> IndexedEntry | None:
-        """(Re)read one manifest file into the view. One the store knows to be bad is
-        recorded in ``self.bad`` (a link, a FIFO, a directory, an oversized file, or a body
-        that does not decode); one that could not be read (EIO, EACCES, ...) is ``unknown``:
-        what the view held of it stays, and the next refresh reads it again. Never raises."""
+    def load(self, idd: str, entry_id: str, *, dir_fd: int | None = None) -> IndexedEntry | None:
+        """(Re)read one manifest file into the view (``dir_fd``: its identity directory, open).
+        One the store knows to be bad is recorded in ``self.bad`` (a link, a FIFO, a
+        directory, an oversized file, a body that does not decode, more than ``limits``
+        allow); one that could not be read (EIO, EACCES, ...) is ``unknown``: what the view
+        held of it stays, and the next refresh reads it again. Never raises."""
         path = self.layout.manifest_path(idd, entry_id)
         try:
-            fd = self.layout.open_file(path, os.O_RDONLY)
+            fd = self._open_manifest(path, entry_id, dir_fd)
         except FileNotFoundError:
-            self.remove(entry_id)
-            self.unknown.pop(path, None)
+            self.forget_name(idd, entry_id)
             return None
         except UnsafePathError as exc:
             self._mark_bad(entry_id, idd, path, Reason.CORRUPT, str(exc),
@@ -350,6 +551,10 @@ class EntryIndex:
             return None
         try:
             st = os.fstat(fd)
+            known = self.entries.get(entry_id)
+            if (known is not None and known.inode == st.st_ino) or self.unlinking.get(path) == st.st_ino:
+                self.unknown.pop(path, None)
+                return known  # the same file: nothing to read
             if st.st_size > MAX_MANIFEST_BYTES:
                 self._mark_bad(entry_id, idd, path, Reason.CORRUPT, f"{st.st_size} bytes, more than "
                                f"a manifest can hold ({MAX_MANIFEST_BYTES})", st.st_ino)
@@ -366,19 +571,34 @@ class EntryIndex:
         except ManifestError as exc:
             self._mark_bad(entry_id, idd, path, Reason.CORRUPT, f"{exc.reason}: {exc.detail}", st.st_ino)
             return None
+        refusal = self.limits.refusal(manifest) if self.limits is not None else None
+        if refusal is not None:
+            self._mark_bad(entry_id, idd, path, Reason.CORRUPT, refusal, st.st_ino)
+            return None
         entry = IndexedEntry(manifest, path, st.st_ino, len(data), st.st_mtime)
         self.add(entry)
-        mark = self._marks.setdefault(idd, _DirMark(-1))
-        mark.names[entry_id] = st.st_ino
+        self._marks.setdefault(idd, _DirMark()).names[entry_id] = st.st_ino
         return entry
+
+    def _open_manifest(self, path: str, entry_id: str, dir_fd: int | None) -> int:
+        if dir_fd is None:
+            return self.layout.open_file(path, os.O_RDONLY)
+        try:  # relative to the identity directory already open: one call, never through a link
+            fd = os.open(entry_id + MANIFEST_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno in (40, 21, 6):  # ELOOP, EISDIR, ENXIO: not a regular file
+                raise UnsafePathError(f"{path}: not a regular file; the store opens only regular "
+                                      "files, never through a link") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafePathError(f"{path}: not a regular file; the store opens only regular files")
+        return fd
 
     def _mark_unknown(self, idd: str, entry_id: str, path: str, detail: str) -> None:
         self.unknown[path] = f"{detail} (retried by every refresh; nothing it names is deleted meanwhile)"
-        self._marks.setdefault(idd, _DirMark(-1)).names.setdefault(entry_id, -1)
-
-    def _unknown_under(self, idd: str) -> bool:
-        prefix = self.layout.identity_dir(idd)
-        return any(p == prefix or p.startswith(prefix + os.sep) for p in self.unknown)
+        self._marks.setdefault(idd, _DirMark()).names.setdefault(entry_id, -1)
 
     def _forget_unknown_under(self, prefix: str) -> None:
         for p in [p for p in self.unknown if p == prefix or p.startswith(prefix + os.sep)]:
@@ -387,21 +607,28 @@ class EntryIndex:
     def _mark_bad(self, entry_id: str, idd: str, path: str, reason: Reason, detail: str,
                   inode: int) -> None:
         self.remove(entry_id)
+        self.unknown.pop(path, None)
         self.bad[entry_id] = BadManifest(entry_id, idd, path, reason, detail, inode)
-        self._marks.setdefault(idd, _DirMark(-1)).names[entry_id] = inode
+        self._marks.setdefault(idd, _DirMark()).names[entry_id] = inode
 
-    def refresh_recency(self) -> None:
-        """Re-read last-access times (manifest mtimes), which other processes may have
-        touched. One that cannot be read makes the view incomplete (an eviction must not
-        rest on an old time) until it is read again."""
-        for entry in self.entries.values():
-            try:
-                entry.last_access = self.layout.lstat(entry.path).st_mtime
-                self.unknown.pop(entry.path + _RECENCY, None)
-            except (FileNotFoundError, UnsafePathError):
-                pass  # gone or replaced: the next listing says so
-            except OSError as exc:
-                self.unknown[entry.path + _RECENCY] = f"cannot read its last access: {exc}"
+
+def _stored_depth(by_key: dict, keys: list[str]) -> int:
+    """The largest k such that ``keys[k-1]`` is stored at position k-1 (keys are chained, so
+    every shorter prefix is stored too): bisection."""
+    def stored(k: int) -> bool:
+        slot = by_key.get(keys[k - 1])
+        return slot is not None and slot[0] == k - 1
+
+    if stored(len(keys)):
+        return len(keys)
+    lo, hi = 0, len(keys)  # stored(lo) holds (or lo == 0), stored(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if stored(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _read_all(fd: int, size: int) -> bytes:

@@ -6,6 +6,7 @@
       staging/<token>.intent + staging/<token>/    one per in-flight publication
       pins/<entry id>.<token>.pin                  leases protecting entries
       locks/gc.lock                                 publishers (shared) vs collector (exclusive)
+      journal/current                               what changed, for the other processes' views
 
 Every path the store opens is built here from validated names; a name that is not a
 lower-case hex digest of the right length is refused (so a manifest cannot smuggle in
@@ -76,7 +77,7 @@ class StoreLayout:
                 pass
         layout.open_dir(base).close()  # the namespace must be a real directory
         for sub in (layout.objects_dir, layout.manifests_dir, layout.staging_dir,
-                    layout.pins_dir, layout.locks_dir) if make else ():
+                    layout.pins_dir, layout.locks_dir, layout.journal_dir) if make else ():
             try:
                 layout.make_dir(sub)
             except UnsafePathError:
@@ -102,6 +103,14 @@ class StoreLayout:
     @property
     def locks_dir(self) -> str:
         return os.path.join(self.base, "locks")
+
+    @property
+    def journal_dir(self) -> str:
+        return os.path.join(self.base, "journal")
+
+    @property
+    def journal_path(self) -> str:
+        return os.path.join(self.journal_dir, "current")
 
     @property
     def gc_lock_path(self) -> str:

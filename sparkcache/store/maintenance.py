@@ -10,7 +10,7 @@ still fits):
      is at or under the low watermark (only while above max, or still draining toward low)
      and the filesystem's free space is back at its floor (``min_free_bytes``);
      pinned entries are never planned; the shards that tensor-parallel ranks published of
-     one entry (``shard_units``) are planned and evicted together, or not at all when one
+     one entry (``EntryIndex.unit_of``) are planned and evicted together, or not at all when one
      of them is pinned;
   4. first finishes what earlier passes left (fsync, deferred objects), then evicts while
      the budget (entries, bytes, milliseconds) allows: manifests first (parallel batches),
@@ -45,7 +45,6 @@ from .collector import ViewIncomplete
 from .layout import UnsafePathError
 from .locks import LockTimeout
 from .pacing import PassClock, runqueue_wait_s
-from .units import shard_units
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -129,7 +128,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     try:
         with collector.exclusive(timeout_s=clock.lock_timeout()):
             lock_wait_s = clock.now() - clock.start
-            plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, clocks))
+            plan, skipped, used_before = clock.run("refresh", lambda: _locked_plan(store, clocks, budget))
             plan_s = clock.now() - clock.start - lock_wait_s
             protected = plan.protected
             # 1. finish what earlier passes left: fsync their manifest dirs, then delete their
@@ -197,14 +196,15 @@ class _Plan:
     items: Iterator[_Planned]  # the ``_plan`` generator, past its first value (an int)
 
 
-def _locked_plan(store: PageStore, clocks: Clock) -> tuple[_Plan, int, int]:
-    """Under the exclusive lock: live intents, re-listed manifests, recency, pins, the plan
-    (judged at the filesystem's now, read afresh). Returns (plan, pinned entries skipped,
-    used bytes before the pass)."""
+def _locked_plan(store: PageStore, clocks: Clock, budget: PassBudget) -> tuple[_Plan, int, int]:
+    """Under the exclusive lock: live intents, the view brought up to date, recency, pins,
+    the plan (judged at the filesystem's now, read afresh) over the least recently used
+    entries a pass can reach (``plan_window``). Returns (plan, pinned entries skipped, used
+    bytes before the pass)."""
     collector = store.collector
     now = clocks.fs_now(store.layout, fresh=True)
-    protected, pinned, used_before, by_age = collector.begin_pass(now, store.lease_seconds,
-                                                                  store.max_bytes, clocks)
+    protected, pinned, used_before, by_age = collector.begin_pass(
+        now, store.lease_seconds, store.max_bytes, clocks, window=plan_window(budget))
     items = _plan(store, collector.catalog, by_age, pinned, collector.draining, now)
     skipped = next(items)
     return _Plan(protected, items), skipped, used_before
@@ -263,6 +263,13 @@ def _drop_planned(collector: Collector, plan: _Plan, budget: PassBudget, clock: 
 _DROP_BATCH = 16  # manifests unlinked in parallel as one unit
 
 
+def plan_window(budget: PassBudget) -> int:
+    """How many of the least recently used entries a pass plans over: what its entry budget
+    can evict, with room for pinned ones and the shards that join them (the next pass goes
+    on from where this one stopped)."""
+    return 4 * budget.max_entries + 1024
+
+
 def _plan(store: PageStore, catalog: Catalog, by_age: list[IndexedEntry], pinned: set[str],
           draining: bool, now: float) -> Iterator[int | _Planned]:
     """Generator over ``by_age`` (the entries, least recently used first): first yields the
@@ -274,7 +281,8 @@ def _plan(store: PageStore, catalog: Catalog, by_age: list[IndexedEntry], pinned
     ``run_pass``, under the exclusive gc lock (no other pass or ``discard`` runs meanwhile);
     ``by_age`` is this pass's own list, and the catalog's sums are read under the in-process
     lock (a lookup's refresh may change the view meanwhile)."""
-    units = shard_units(by_age)
+    with store.collector.lock:  # lookups' refreshes change the units meanwhile
+        units = {e.entry_id: catalog.unit_of(e) or [e] for e in by_age}
     candidates = [e for e in by_age if not any(s.entry_id in pinned for s in units[e.entry_id])]
     yield len(by_age) - len(candidates)
     dropping: dict[str, int] = {}

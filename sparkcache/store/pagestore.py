@@ -24,9 +24,9 @@ from .catalog import Catalog
 from .clocks import SYSTEM_CLOCK, Clock
 from .collector import Collector
 from .identity import BlockHash, Identity, block_keys, entry_id_for
-from .index import BadManifest, IndexedEntry
+from .index import BadManifest, IndexedEntry, ManifestLimits
 from .layout import StoreLayout, UnsafePathError, allocated
-from .locks import PIN_WAIT_S, shared_lock
+from .locks import PIN_WAIT_S, PUBLISH_WAIT_S, shared_lock
 from .manifests import Manifest, PageRef, encode, pages_needed
 from .objects import ObjectError, ObjectStore
 from .publication import BaseObjectGone, PublicationWriter
@@ -63,15 +63,19 @@ class PageStore:
         self.lease_seconds = lease_seconds
         self.ttl_seconds = ttl_seconds
         self.page_blocks = page_blocks
-        self.catalog = Catalog(self.layout, unit)
+        self.catalog = Catalog(self.layout, unit, ManifestLimits.for_store(max_bytes, unit))
         self._mutex = threading.RLock()
         self.collector = Collector(self.layout, self.catalog, self.objects, self._mutex)
         self.last_recovery: RecoveryReport | None = None
         if not read_only:
+            try:
+                self.catalog.index.journal.create()
+            except OSError:
+                pass  # a read-only or failing disk: the listing below says what it can
             self.recover()
         else:
             with self._mutex:
-                self.catalog.refresh(force=True)
+                self.catalog.refresh(full=True)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, read_only: bool = False) -> "PageStore":
@@ -94,7 +98,9 @@ class PageStore:
         except OSError:
             cleaned = 0  # staging cannot be read now: its leftovers wait for the next writer
         with self._mutex:
-            self.catalog.refresh(force=True)
+            if cleaned:  # a dead publisher may have left a manifest it never journaled
+                self.catalog.ask_rescan()
+            self.catalog.refresh(full=True)
             report = RecoveryReport(cleaned, self.catalog.entry_count, self.catalog.bad_count)
         self.last_recovery = report
         return report
@@ -150,6 +156,11 @@ class PageStore:
                 reused_refs = self._resolve_missing_pages(idd, keys, bpp, pages)
             except LookupError as exc:
                 return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
+        declared = (sum(len(p) for p in pages if p is not None) + sum(r.size for r in reused_refs.values())
+                    + (len(state) if state is not None else 0))
+        too_much = self.catalog.limits.refusal_of(len(pages) + (state is not None), declared, len(keys))
+        if too_much is not None:
+            return self._failed(Reason.OVER_CAPACITY, started, entry_id, too_much)
         staging = Staging(self.layout)
         writer = PublicationWriter(self, staging)
         try:
@@ -161,6 +172,12 @@ class PageStore:
             writer.commit(staging.temp_path("manifest"),
                           encode(manifest), self.catalog.manifest_path(idd, entry_id),
                           lambda: self.catalog.make_identity_dir(idd))
+            try:
+                with shared_lock(self.layout, PUBLISH_WAIT_S):  # no journal rotation meanwhile
+                    self.catalog.published(idd, entry_id)
+            except OSError:  # in place but not journaled: the abandoned intent asks for a rescan
+                staging.abandon()
+                raise
         except BaseObjectGone as exc:
             return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
         except (OSError, UnsafePathError) as exc:  # LockTimeout is an OSError too
@@ -263,7 +280,9 @@ class PageStore:
             if lease_id is None:
                 return self._miss(Reason.ABSENT, entry.entry_id, "entry was evicted during the lookup")
         if not self.read_only:
-            self.catalog.touch(entry)
+            when = self.catalog.touch(entry)
+            with self._mutex:
+                self.catalog.accessed(entry, when)
         return LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
 
     def read(self, handle: EntryHandle, n_blocks: int | None = None) -> ReadResult:
@@ -317,8 +336,15 @@ class PageStore:
                 self.layout.lstat(entry.path)
             except FileNotFoundError:
                 release_pin(self.layout, lease_id)
+                with self._mutex:
+                    self.catalog.drop_vanished(entry)
                 return None
         return lease_id
+
+    def close(self) -> None:
+        """Close the descriptors the store keeps open (the journal's); a store that is only
+        dropped closes them when it is collected. Lookups after this open them again."""
+        self.catalog.index.journal.close()
 
     def release(self, lease_id: str | None) -> None:
         if lease_id:

@@ -79,6 +79,14 @@ class Staging:
         self._temps.append(path)
         return path
 
+    def abandon(self) -> None:
+        """Release the lock but leave the intent in place: the publication's outcome is not
+        known to the other processes (its manifest may be in place, unjournaled), so whoever
+        finds it dead asks every process to list the manifests again."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     def close(self) -> None:
         """Remove leftover temp files; the intent goes last, then the lock is released."""
         for path in self._temps:

@@ -38,7 +38,7 @@ class VerifyReport:
 def verify_store(layout: StoreLayout) -> VerifyReport:
     unit = os.statvfs(layout.base).f_frsize or 4096
     index = EntryIndex(layout, unit)
-    index.refresh(force=True)
+    index.refresh(full=True)
     objects = ObjectStore(layout, unit)
     problems: list[Problem] = []
     for bad in sorted(index.bad.values(), key=lambda b: b.path):

@@ -53,7 +53,7 @@ def spec(request):
 
 def _state_entry(root) -> tuple[PageStore, object]:
     store = PageStore(str(root))
-    store.catalog.refresh(force=True)
+    store.catalog.refresh(full=True)
     entries = [e for e in store.catalog.entries() if e.manifest.state is not None]
     assert len(entries) == 1, [e.manifest.block_count for e in store.catalog.entries()]
     return store, entries[0]

@@ -61,7 +61,7 @@ def _tp_env(ranks: int = 2) -> dict[str, str]:
 def _shard(root, prompt: list[int], tp_rank: int):
     """(store, the entry of ``prompt`` that ``tp_rank`` published)."""
     store = PageStore(str(root))
-    store.catalog.refresh(force=True)
+    store.catalog.refresh(full=True)
     key = BlockKeys(BLOCK).upto(prompt, REUSABLE // BLOCK)[-1]
     found = [e for e in store.catalog.entries() if e.manifest.identity.tp_rank == tp_rank
              and e.manifest.block_keys[REUSABLE // BLOCK - 1] == key]
@@ -96,7 +96,7 @@ def lives(tiny_model, tmp_path_factory):
           "check_units": {"root": str(root), "ranks": 2}}
     out = {"cold": run_engine({**rw, "prompts": PROMPTS}, timeout=600, env=env)}
     store = PageStore(str(root))
-    store.catalog.refresh(force=True)
+    store.catalog.refresh(full=True)
     out["entries"] = sorted((e.manifest.identity.tp_rank, e.manifest.block_count)
                             for e in store.catalog.entries())
 

@@ -81,7 +81,7 @@ def test_a_hit_refreshes_every_rank_shard(tmp_path):
     side = s.connector._sched
     prompt = _prompt(200, 3)
     store_prefix(s, prompt)
-    side.store.catalog.refresh(force=True)
+    side.store.catalog.refresh(full=True)
     paths = [side.store.layout.manifest_path(e.manifest.identity.digest(), e.entry_id)
              for e in side.store.catalog.entries()]
     assert len(paths) == 2
@@ -134,7 +134,7 @@ def _stored(s) -> list[tuple[int, int]]:
     """(tp rank, blocks) of every entry in every rank's store."""
     out = []
     for store in dict.fromkeys(s.connector._sched.stores):
-        store.catalog.refresh(force=True)
+        store.catalog.refresh(full=True)
         out += [(e.manifest.identity.tp_rank, e.manifest.block_count) for e in store.catalog.entries()]
     return sorted(out)
 

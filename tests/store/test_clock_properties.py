@@ -17,7 +17,7 @@ Each reader's and maintainer's action runs with its wall clock off by a drawn st
 minutes, an hour or 10 years either way; ``time.time`` patched): it must decide nothing.
 
 After each pass by maintainer X at true time ``t``, with ``MARGIN`` for the seconds the run
-itself takes and the 5 s slack of "stamped in the future":
+itself takes and the slack of "stamped in the future" (``clocks.FUTURE_SLACK_S``):
 * safety: a lease taken less than ``LEASE - MARGIN`` ago and not released keeps its pin and
   its entry; excused only for the documented window, a pin from X's other host that X had
   not yet seen when the filesystem's clock stepped forward;

@@ -448,6 +448,7 @@ def test_writer_opened_on_a_read_only_mount(tmp_path):
             return
         trial = Trial()
         _read_only_ops(trial, store)
+        store.close()  # its journal's descriptor would keep the mount busy
         trial.assert_clean()
 
 
