@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from . import cpus
-from ..settings import SettingsError, check_namespace, check_root
+from ..settings import check_namespace, check_root
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -76,7 +76,7 @@ class StoreLayout:
                     pass
             layout.open_dir(base).close()  # the namespace must be a real directory
         except UnsafePathError:
-            raise SettingsError(f"SPARKCACHE_ROOT={root!r}: the store directory {base} (ROOT/"
+            raise UnsafePathError(f"SPARKCACHE_ROOT={root!r}: the store directory {base} (ROOT/"
                                 f"SPARKCACHE_NAMESPACE={namespace!r}) is a symbolic link or not "
                                 "a directory; allowed: a directory. Fix: move it away, or choose "
                                 "another SPARKCACHE_NAMESPACE or SPARKCACHE_ROOT") from None
