@@ -432,8 +432,39 @@ def _reject_unknown(extra: Mapping[str, object], env: Mapping[str, str]) -> None
 
 
 # ---------------------------------------------------------------------------- direct calls
-# ``StoreLayout.create`` takes its root and namespace from the table above when the connector
-# or the CLI builds the store, but a direct call skips it: these are the checks both make.
+# The store's constructors (``PageStore``, ``StoreLayout.create``, ``PassBudget``,
+# ``MaintenanceThread``) and the lock waits take their values from the table above when the
+# connector or the CLI builds them, but a direct call skips it: these are the checks they make
+# themselves, so a NaN, an infinity or a negative size is refused there too.
+
+
+def check_number(where: str, name: str, value: object, *, minimum: float | None = None,
+                 above: float | None = None, maximum: float | None = None,
+                 integer: bool = False, unit: str = "", setting: str | None = None) -> int | float:
+    """``value`` if it is a finite number (a whole one with ``integer``; never a boolean) with
+    ``minimum <= value``, ``above < value`` and ``value <= maximum`` (each when given); else
+    ``SettingsError`` naming ``where(name=value)``, what is wrong, what is allowed and the
+    setting that sets it (``setting``, e.g. SPARKCACHE_LEASE_SECONDS)."""
+    kind = "a whole number" if integer else "a finite number"
+    bounds = [f">= {minimum:g}" if minimum is not None else "",
+              f"> {above:g}" if above is not None else "",
+              f"<= {maximum:g}" if maximum is not None else ""]
+    allowed = " and ".join(b for b in bounds if b)
+    allowed = f"{kind} {allowed}".strip() + (f" ({unit})" if unit else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problem = f"{type(value).__name__} is not a number"
+    elif integer and not isinstance(value, int):
+        problem = "not a whole number"
+    elif not math.isfinite(value):
+        problem = "not a finite number"
+    elif ((minimum is not None and value < minimum) or (above is not None and value <= above)
+          or (maximum is not None and value > maximum)):
+        problem = "out of range"
+    else:
+        return value
+    via = f" ({setting} sets it through the settings table)" if setting else ""
+    raise SettingsError(f"{where}({name}={value!r}): {problem}; allowed: {allowed}. Fix: pass "
+                        f"a value in that range{via}")
 
 
 def check_root(root: object, label: str = "SPARKCACHE_ROOT") -> str:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from .layout import StoreLayout
+from ..settings import check_number
 
 log = logging.getLogger("sparkcache.store")
 
@@ -34,8 +35,10 @@ class LockTimeout(TimeoutError):
 
 
 def flock_within(fd: int, operation: int, timeout_s: float, what: str) -> None:
-    """``flock(fd, operation)``, polled, giving up with ``LockTimeout`` after ``timeout_s``."""
-    deadline = time.monotonic() + max(timeout_s, 0.0)
+    """``flock(fd, operation)``, polled, giving up with ``LockTimeout`` after ``timeout_s``
+    (a finite number of seconds >= 0; 0: one try)."""
+    check_number("flock_within", "timeout_s", timeout_s, minimum=0, unit="seconds")
+    deadline = time.monotonic() + timeout_s
     pause = 0.0005
     while True:
         try:
@@ -52,6 +55,7 @@ def flock_within(fd: int, operation: int, timeout_s: float, what: str) -> None:
 
 @contextmanager
 def _locked(layout: StoreLayout, operation: int, timeout_s: float) -> Iterator[None]:
+    check_number(_LOCK_WORDS[operation], "timeout_s", timeout_s, minimum=0, unit="seconds")
     path = layout.gc_lock_path
     fd = layout.open_file(path, os.O_RDWR | os.O_CREAT, create_dirs=True)
     try:
@@ -64,6 +68,9 @@ def _locked(layout: StoreLayout, operation: int, timeout_s: float) -> Iterator[N
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+_LOCK_WORDS = {fcntl.LOCK_SH: "shared_lock", fcntl.LOCK_EX: "exclusive_lock"}
 
 
 def shared_lock(layout: StoreLayout, timeout_s: float):

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from . import cpus
+from ..settings import check_number
 from .layout import UnsafePathError
 from .locks import LockTimeout
 from .pacing import PassClock, runqueue_wait_s
@@ -57,6 +58,14 @@ class PassBudget:
     max_entries: int = 64
     max_bytes: int = 4 << 30
     max_ms: float = 100.0
+
+    def __post_init__(self) -> None:  # a NaN or a negative budget: refused, not a busy pass
+        check_number("PassBudget", "max_entries", self.max_entries, minimum=1, integer=True,
+                     setting="SPARKCACHE_MAINTENANCE_MAX_ENTRIES")
+        check_number("PassBudget", "max_bytes", self.max_bytes, minimum=1, integer=True,
+                     unit="bytes", setting="SPARKCACHE_MAINTENANCE_MAX_BYTES")
+        check_number("PassBudget", "max_ms", self.max_ms, above=0, unit="milliseconds",
+                     setting="SPARKCACHE_MAINTENANCE_MAX_MS")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "PassBudget":
@@ -346,6 +355,12 @@ class MaintenanceThread:
                  sweep_every_s: float = 30.0, nice: int | None = 10,
                  on_report: Callable[[PassReport], None] | None = None,
                  keep_reports: int = 10000) -> None:
+        check_number("MaintenanceThread", "interval_s", interval_s, above=0, unit="seconds",
+                     setting="SPARKCACHE_MAINTENANCE_INTERVAL_SECONDS")
+        check_number("MaintenanceThread", "sweep_every_s", sweep_every_s, minimum=0, unit="seconds")
+        if nice is not None:
+            check_number("MaintenanceThread", "nice", nice, minimum=-20, maximum=19, integer=True)
+        check_number("MaintenanceThread", "keep_reports", keep_reports, minimum=0, integer=True)
         self.store = store
         self.budget = budget
         self.interval_s = interval_s

@@ -35,7 +35,7 @@ from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
 from .verify import VerifyReport, verify_store
-from ..settings import Settings, format_bytes
+from ..settings import Settings, check_number, format_bytes
 
 
 class PageStore:
@@ -47,8 +47,16 @@ class PageStore:
         nothing under the root (restore-only, the CLI's status and inspect; works on a
         read-only mount): no directories made, no recovery, lookups neither record the
         access nor pin (a lease is None), publishing refused."""
-        if low_watermark_bytes > max_bytes:
-            raise ValueError(f"low_watermark_bytes={low_watermark_bytes} > max_bytes={max_bytes}")
+        def check(name: str, value: object, **bounds: object) -> None:  # NaN, inf, -1: refused
+            check_number("PageStore", name, value, setting="SPARKCACHE_" + name.upper(), **bounds)
+
+        check("max_bytes", max_bytes, minimum=1, integer=True, unit="bytes")
+        check("low_watermark_bytes", low_watermark_bytes, minimum=0, maximum=max_bytes,
+              integer=True, unit="bytes, at most max_bytes")
+        check("min_free_bytes", min_free_bytes, minimum=0, integer=True, unit="bytes")
+        check("lease_seconds", lease_seconds, above=0, unit="seconds")
+        check("ttl_seconds", ttl_seconds, minimum=0, unit="seconds; 0: no TTL")
+        check("page_blocks", page_blocks, minimum=1, integer=True, unit="blocks")
         self.read_only = read_only
         self.layout = StoreLayout.create(root, namespace, make=not read_only)
         unit = os.statvfs(self.layout.base).f_frsize or 4096
