@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Sequence
 
+from .buffers import byte_view
 from .catalog import Catalog
 from .collector import Collector
 from .identity import BlockHash, Identity, block_keys, entry_id_for
@@ -109,6 +110,10 @@ class PageStore:
                 state: bytes | memoryview | None = None) -> PublishResult:
         """Publish the prefix ``block_hashes`` with its page bytes.
 
+        A page (and ``state``) is any C-contiguous buffer, stored as its bytes in row-major
+        order whatever its shape or item format (``buffers.byte_view``); one that is not
+        C-contiguous is a ValueError, something that is not a buffer a TypeError.
+
         ``pages[i]`` holds blocks ``[i*bpp, (i+1)*bpp)`` (the last page may be short). A page
         given as ``None`` is taken from the stored entry that already holds exactly those
         blocks (copy-on-write growth without re-capturing); page objects that already exist
@@ -119,6 +124,9 @@ class PageStore:
             raise PermissionError(f"{self.layout.base}: opened read-only; publishing needs a "
                                   "writer (read-write or store-only)")
         started = time.monotonic()
+        # any C-contiguous buffer, by its bytes: len() of a 2-D or typed view is not its size
+        pages = [None if p is None else byte_view(p, f"page {i}") for i, p in enumerate(pages)]
+        state = None if state is None else byte_view(state, "state")
         bpp = blocks_per_page or self.page_blocks
         keys = block_keys(block_hashes)
         if not keys:
