@@ -103,6 +103,7 @@ class PassReport:
     units: int = 0  # units of work run (batches of unlinks, fsync rounds, re-list, shards)
     longest_unit_ms: float = 0.0  # wall time of the slowest unit
     runqueue_wait_ms: float = 0.0  # the pass's thread runnable but without a CPU (preempted)
+    error: str = ""  # what stopped a pass by lock or error (the exception's message)
 
     @property
     def overran(self) -> bool:
@@ -127,6 +128,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     evicted = expired_n = reclaimed = orphans = orphan_bytes = swept = skipped = remaining = 0
     fsync_s = lock_wait_s = plan_s = 0.0
     stopped_by = "done"
+    error = ""
     try:
         with collector.exclusive(timeout_s=clock.lock_timeout()):
             lock_wait_s = clock.now() - clock.start
@@ -169,10 +171,10 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
                 fsync_s += sweep_fsync_s
                 if swept < sweep_shards:
                     stopped_by = "time"
-    except LockTimeout:
-        stopped_by = "lock"
+    except LockTimeout as exc:
+        stopped_by, error = "lock", str(exc)
     except (OSError, UnsafePathError) as exc:  # a failing disk: this pass stops, the next tries
-        stopped_by = "error"
+        stopped_by, error = "error", str(exc)
         log.warning("sparkcache: maintenance pass stopped: %s", exc)
     clock.finish()
     snapshot, deferred = collector.end_pass(store.max_bytes, store.low_watermark_bytes)
@@ -183,7 +185,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
                         used_after, store.max_bytes, store.low_watermark_bytes, entries_after,
                         lock_wait_s * 1e3, (time.thread_time() - cpu0) * 1e3, plan_s * 1e3,
                         fsync_s * 1e3, clock.units, clock.longest_unit_s * 1e3,
-                        (runqueue_wait_s() - runq0) * 1e3)
+                        (runqueue_wait_s() - runq0) * 1e3, error)
 
 
 _Planned = tuple[str, int, bool, bool]  # (entry id, expected bytes freed, expired, joined)
