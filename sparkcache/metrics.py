@@ -153,6 +153,12 @@ COUNTERS: tuple[CounterMetric, ...] = (
     _counter("maintenance_passes_stopped", "Maintenance passes that gave up: the store's lock "
              "stayed held past the wait bound (lock) or the filesystem failed (error).", "reason",
              {"maintenance_stopped_lock": "lock", "maintenance_stopped_error": "error"}),
+    _counter("lock_timeouts", "A writing worker's waits for its store's cross-process lock "
+             "(locks/gc.lock) that gave up at their bound, by the lock wanted: exclusive (a "
+             "maintenance pass, which waits 20% of its budget: ordinary contention with another "
+             "process's publications), shared (a publication, 10 s, or a leased lookup, 2 s: a "
+             "holder that slow may be stopped or hung; the log says so at most once a minute).",
+             "lock", {"lock_timeouts_shared": "shared", "lock_timeouts_exclusive": "exclusive"}),
 )
 
 # A worker's gauge carries a ``rank`` label: each tensor-parallel rank has its own slots,
