@@ -6,6 +6,7 @@
       staging/<token>.intent + staging/<token>/    one per in-flight publication
       pins/<entry id>.<token>.pin                  leases protecting entries
       locks/gc.lock                                 publishers (shared) vs collector (exclusive)
+      locks/writers.lock, cap.lock, cap.json        the writers alive and their one cap (writers.py)
 
 Every path the store opens is built here from validated names; a name that is not a
 lower-case hex digest of the right length is refused (so a manifest cannot smuggle in

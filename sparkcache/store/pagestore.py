@@ -36,6 +36,7 @@ from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
 from .verify import VerifyReport, verify_store
+from .writers import claim_writer
 from ..settings import Settings, check_number, format_bytes
 
 
@@ -44,7 +45,9 @@ class PageStore:
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
                  ttl_seconds: float = 0.0, page_blocks: int = 16,
                  read_only: bool = False, min_free_bytes: int = 0) -> None:
-        """A writer recovers dead publications on open. ``read_only``: a reader that writes
+        """A writer recovers dead publications on open, and joins the store's writers: one
+        whose cap (``max_bytes``, ``low_watermark_bytes``) differs from the live writers' is
+        refused with a ``SettingsError`` (``writers.py``). ``read_only``: a reader that writes
         nothing under the root (restore-only, the CLI's status and inspect; works on a
         read-only mount): no directories made, no recovery, lookups neither record the
         access nor pin (a lease is None), publishing refused."""
@@ -60,6 +63,8 @@ class PageStore:
         check("page_blocks", page_blocks, minimum=1, integer=True, unit="blocks")
         self.read_only = read_only
         self.layout = StoreLayout.create(root, namespace, make=not read_only)
+        # every writer of the store uses one cap (SettingsError otherwise; writers.py)
+        self._claim = None if read_only else claim_writer(self.layout, max_bytes, low_watermark_bytes)
         unit = os.statvfs(self.layout.base).f_frsize or 4096
         self.objects = ObjectStore(self.layout, unit)
         self.max_bytes = max_bytes
@@ -78,6 +83,12 @@ class PageStore:
         else:
             with self._mutex:
                 self.catalog.refresh(force=True)
+
+    def close(self) -> None:
+        """Leave the store's writers (a writer holds its claim until then, until it is
+        collected, or until the process ends); nothing else needs closing."""
+        if self._claim is not None:
+            self._claim.close()
 
     @classmethod
     def from_settings(cls, settings: Settings, *, read_only: bool = False) -> "PageStore":

@@ -72,14 +72,14 @@ def test_verify_ok_and_failing(tmp_path):
 
 
 def test_gc_runs_one_bounded_pass(tmp_path):
-    store = _store(tmp_path, n_convs=6)
+    _store(tmp_path, n_convs=6).close()  # every writer of a root uses one cap: this one leaves
     cli = run_cli("gc", "--root", str(tmp_path / "s"), "--config",
                   json.dumps({"max_bytes": "1MiB", "low_watermark_bytes": 0,
                               "maintenance_max_entries": 2}))
     assert cli.returncode == 0, cli.stderr
     # under max: nothing to evict
     assert "evicted=0" in cli.stdout and "stopped_by=done" in cli.stdout
-    store.max_bytes = 1 << 20
+    store = open_store(tmp_path / "s", max_bytes=1 << 20, low_watermark_bytes=512 << 10)
     for conv in range(6, 80):  # push it over 1 MiB
         store.publish(IDENT, conv_keys(conv, 10), conv_pages(conv, 10, 4))
     cli = run_cli("gc", "--root", str(tmp_path / "s"), "--config",
@@ -94,6 +94,7 @@ def test_gc_exits_3_when_another_process_holds_the_lock(tmp_path):
     """A pass that never got the store's lock did not do its job: exit 3 (busy), a line that
     says why and what to do; the pass's report is still printed."""
     store = _store(tmp_path)
+    store.close()  # the gc below is the store's one writer (its cap is the settings' default)
     with stopped_lock_holder(store.layout.gc_lock_path):
         cli = run_cli("gc", "--root", str(tmp_path / "s"))
     assert cli.returncode == 3, (cli.returncode, cli.stdout, cli.stderr)
@@ -105,6 +106,7 @@ def test_gc_exits_3_when_another_process_holds_the_lock(tmp_path):
 
 def test_gc_exits_1_when_its_pass_stopped_on_an_error(tmp_path):
     store = _store(tmp_path)
+    store.close()
     os.unlink(store.layout.gc_lock_path) if os.path.lexists(store.layout.gc_lock_path) else None
     os.mkdir(store.layout.gc_lock_path)  # a directory where the lock file belongs
     cli = run_cli("gc", "--root", str(tmp_path / "s"))
