@@ -120,13 +120,15 @@ def test_restore_only_worker_runs_no_maintenance(tmp_path):
         worker.close()
 
 
-def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path):
+def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path, caplog):
     """A process holding the store's lock and stopped (SIGSTOP) never hangs the worker: each
     pass gives up on the lock within its budget, shipped as ``maintenance_stopped_lock``
     (``vllm:sparkcache_maintenance_passes_stopped_total{reason="lock"}``); the capture that
     waits for the shared lock fails after its bound instead of blocking the publisher forever."""
+    import logging
     import signal
 
+    caplog.set_level(logging.DEBUG, logger="sparkcache")
     worker = _worker(tmp_path / "store", "read-write")
     holder = _lock_holder(worker.store.layout.gc_lock_path, "LOCK_EX")
     try:
@@ -143,6 +145,9 @@ def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path):
         # the publication's 10 s wait and the passes' waits, counted by kind
         assert counters.get("lock_timeouts_shared") == 1, counters
         assert counters.get("lock_timeouts_exclusive", 0) >= counters["maintenance_stopped_lock"], counters
+        # one warning says so (the publication's long wait), the store's, not one per event
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([m for m in logged if "lock" in m]) == 1, logged
         assert gauges["maintenance_healthy"] == 1.0  # gave up, did not die
         assert set(counters) <= COUNTER_KEYS and set(gauges) <= RANK_GAUGE_KEYS, (counters, gauges)
     finally:
