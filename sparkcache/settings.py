@@ -446,9 +446,8 @@ def check_number(where: str, name: str, value: object, *, minimum: float | None 
     ``SettingsError`` naming ``where(name=value)``, what is wrong, what is allowed and the
     setting that sets it (``setting``, e.g. SPARKCACHE_LEASE_SECONDS)."""
     kind = "a whole number" if integer else "a finite number"
-    bounds = [f">= {minimum:g}" if minimum is not None else "",
-              f"> {above:g}" if above is not None else "",
-              f"<= {maximum:g}" if maximum is not None else ""]
+    bounds = [f"{op} {bound}" if isinstance(bound, int) else f"{op} {bound:g}"
+              for op, bound in ((">=", minimum), (">", above), ("<=", maximum)) if bound is not None]
     allowed = " and ".join(b for b in bounds if b)
     allowed = f"{kind} {allowed}".strip() + (f" ({unit})" if unit else "")
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -20,7 +20,8 @@ A writer opening takes ``cap.lock``, then tries ``writers.lock`` exclusive witho
     or when the record is missing or damaged (the live writers' cap is then unknown).
 Either way it then holds ``writers.lock`` shared until ``close`` (or until it is collected, or
 the process ends) and lets ``cap.lock`` go. Readers (``read_only``) take none of these and are
-never refused.
+never refused. A process forked from a writer shares its hold (one open file) until it exits:
+it may use the writer's store, so it counts as one of the live writers.
 """
 
 from __future__ import annotations
