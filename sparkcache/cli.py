@@ -2,8 +2,8 @@
 
 Every subcommand validates settings exactly as the connector does (environment
 ``SPARKCACHE_*`` plus an optional ``--config`` JSON dict in kv_connector_extra_config form);
-``--root`` and ``--namespace`` override the settings. Exit codes: 0 fine, 1 a check failed
-(``verify`` found bad files, ``inspect`` found no such entry), 2 bad usage or settings.
+``--root`` and ``--namespace`` override the settings. A command that did not do its job exits
+non-zero with a line on stderr saying why and what to do (``EXIT_CODES``, also in ``--help``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
@@ -22,6 +23,26 @@ if TYPE_CHECKING:  # the commands import the store when they run (as _open does)
 
 # Object shards of a store (two hex digits); ``gc --sweep-shards`` sweeps 0 .. all of them.
 _OBJECT_SHARDS = 256
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY = 0, 1, 2, 3
+EXIT_CODES = {
+    EXIT_OK: "did its job (status printed the report, verify found nothing bad, gc's pass ran, "
+             "inspect showed the entry)",
+    EXIT_FAILED: "failed: verify or inspect --verify found bad files, inspect found no such entry, "
+                 "gc's pass stopped on a filesystem error, or the store could not be opened or "
+                 "read (the line on stderr names the file and the fix)",
+    EXIT_USAGE: "bad usage or settings (an unknown option, a bad SPARKCACHE_* value, no store at "
+                "the root)",
+    EXIT_BUSY: "busy: another process held the store's lock past the wait bound (a serving "
+               "writer's maintenance or publications, or a stopped process); run it again, and "
+               "if it persists find the holder with `fuser ROOT/NAMESPACE/locks/gc.lock`",
+}
+
+
+def _render_exit_codes() -> str:
+    return "Exit codes:\n" + "\n".join(
+        textwrap.fill(words, 100, initial_indent=f"  {code}  ", subsequent_indent="     ")
+        for code, words in EXIT_CODES.items())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +70,7 @@ def _count(maximum: int) -> Callable[[str], int]:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="sparkcache", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Inspect and maintain a sparkcache page store.",
+        description="Inspect and maintain a sparkcache page store.\n\n" + _render_exit_codes(),
         epilog=render_settings_help())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -66,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Print the one-line capacity report, then the gauges an "
                                    "opened store tells (capacity, entries, the filesystem's free "
                                    "bytes and floor) in Prometheus text format: the names vLLM's "
-                                   "/metrics exports, with a rank label per --root in order.")
+                                   "/metrics exports, with a rank label per --root in order. "
+                                   "Exit 0 when it printed the report (read healthy=), 1 when a "
+                                   "store cannot be read.")
     common(p, many_roots=True)
     p = sub.add_parser("verify", help="full integrity sweep; exit 1 on any bad file",
                        description="Decode every manifest and re-hash every referenced object. "
@@ -74,13 +97,20 @@ def _parser() -> argparse.ArgumentParser:
     common(p)
     p = sub.add_parser("gc", help="run one bounded maintenance pass and report it",
                        description="One maintenance pass (TTL, eviction toward the low watermark "
-                                   "when above max, orphan sweep) within the settings' budget.")
+                                   "when above max, orphan sweep) within the settings' budget. "
+                                   "Exit 0 when the pass ran (stopped_by=done, or its budget: "
+                                   "run it again for the rest), 3 when another process held the "
+                                   "store's lock (stopped_by=lock), 1 when the filesystem stopped "
+                                   "it (stopped_by=error) or part of the store could not be read, "
+                                   "so nothing was evicted or deleted (stopped_by=unknown).")
     common(p)
     p.add_argument("--sweep-shards", type=_count(_OBJECT_SHARDS),
                    default=_OBJECT_SHARDS, metavar="N",
                    help=f"object shards to sweep for orphans, 0 .. {_OBJECT_SHARDS} (default all)")
     p = sub.add_parser("inspect", help="show one entry: identity, blocks, pages, pins",
-                       description="Show one entry (full id or a unique prefix of it).")
+                       description="Show one entry (full id or a unique prefix of it). Exit 1 "
+                                   "when no entry or several match, its manifest is bad, or with "
+                                   "--verify an object is.")
     common(p)
     p.add_argument("entry", metavar="ENTRY", help="entry id or a unique prefix of it")
     p.add_argument("--verify", action="store_true", help="also re-hash the entry's objects")
@@ -142,6 +172,13 @@ def _open(settings: Settings, *, writer: bool) -> PageStore:
     return PageStore.from_settings(settings, read_only=not writer)
 
 
+def _require_manifests_listable(store: PageStore) -> None:
+    """What status and inspect count is read from ``manifests/``: when that cannot be listed
+    (a file or a link in its place) they could only report an empty store. Raises the
+    store's ``UnsafePathError`` naming it and the fix (exit 1)."""
+    store.layout.listdir(store.layout.manifests_dir)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     every_settings = [_settings(args, root) for root in args.root or [None]]
     from .metrics import render_capacity_line, render_store_gauges, store_gauges
@@ -149,6 +186,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     snapshots, gauges = [], []
     for settings in every_settings:  # one --root per rank, in rank order
         store = _open(settings, writer=False)
+        _require_manifests_listable(store)
         snapshots.append(store.capacity())
         gauges.append(store_gauges(store))
     print(render_capacity_line(snapshots))
@@ -173,6 +211,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     settings = _settings(args, args.root)
     from .store import PassBudget, run_pass
+    from .store.pacing import LOCK_FRACTION
 
     store = _open(settings, writer=True)
     rec = store.last_recovery
@@ -188,7 +227,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(f"gc: used {report.used_bytes_before} -> {report.used_bytes_after} bytes "
           f"(max {report.max_bytes}, low watermark {report.low_watermark_bytes}), "
           f"entries={report.entries_after}")
-    return 0
+    if report.stopped_by == "lock":
+        print(f"sparkcache gc: the pass stopped on the store's lock: another process held "
+              f"{store.layout.gc_lock_path} longer than the pass waits for it "
+              f"({report.budget_ms * LOCK_FRACTION:g} ms, {LOCK_FRACTION:.0%} of "
+              "SPARKCACHE_MAINTENANCE_MAX_MS): a serving writer's maintenance or publications, "
+              "or a stopped process. Run gc again (or with a larger budget, --config "
+              "'{\"maintenance_max_ms\": 1000}'); if it keeps failing, find the holder with "
+              f"`fuser {store.layout.gc_lock_path}`", file=sys.stderr)
+        return EXIT_BUSY
+    if report.stopped_by == "unknown":
+        print(f"sparkcache gc: nothing was evicted or deleted: {report.error}", file=sys.stderr)
+        return EXIT_FAILED
+    if report.stopped_by == "error":
+        print(f"sparkcache gc: the pass stopped on a filesystem error: {report.error}. Fix it "
+              "(`sparkcache verify` lists the files the store refuses; dmesg shows a failing "
+              "disk) and run gc again", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -196,16 +252,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .store import ObjectError
 
     store = _open(settings, writer=False)
+    _require_manifests_listable(store)
     matches = [e for e in store.entries() if e.entry_id.startswith(args.entry)]
     bad = [b for b in store.bad_manifests() if b.entry_id.startswith(args.entry)]
     if bad and not matches:
         for b in bad:
             print(f"entry {b.entry_id}: BAD manifest {b.path}: {b.detail}")
         return 1
-    if len(matches) != 1:
+    if not matches:
+        print(f"inspect: no entry's id starts with {args.entry!r} (list the entries with: ls "
+              f"{store.layout.manifests_dir}/*/)", file=sys.stderr)
+        return EXIT_FAILED
+    if len(matches) > 1:
         print(f"inspect: {len(matches)} entries match {args.entry!r}; give a longer prefix "
-              "(list them with: ls ROOT/NAMESPACE/manifests/*/)", file=sys.stderr)
-        return 1
+              f"(list them with: ls {store.layout.manifests_dir}/*/)", file=sys.stderr)
+        return EXIT_FAILED
     entry = matches[0]
     m = entry.manifest
     print(f"entry {m.entry_id}")
@@ -251,10 +312,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command](args)
     except SettingsError as exc:
         print(f"sparkcache: settings error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:  # the store cannot be opened (missing, a link, EIO)
-        print(f"sparkcache {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
+    except (OSError, ValueError) as exc:  # the store cannot be opened or read (a link, EIO, busy)
+        from .store.locks import LockTimeout
+        from .store.results import os_failure
+
+        # an OSError with its fix; the store's other refusals (UnsafePathError) carry theirs
+        detail = os_failure(exc)[1] if isinstance(exc, OSError) else str(exc)
+        print(f"sparkcache {args.command}: {detail}", file=sys.stderr)
+        return EXIT_BUSY if isinstance(exc, LockTimeout) else EXIT_FAILED
 
 
 if __name__ == "__main__":

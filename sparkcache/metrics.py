@@ -155,6 +155,12 @@ COUNTERS: tuple[CounterMetric, ...] = (
              "read of the store failed, so nothing was evicted or deleted (unknown).", "reason",
              {"maintenance_stopped_lock": "lock", "maintenance_stopped_error": "error",
               "maintenance_stopped_unknown": "unknown"}),
+    _counter("lock_timeouts", "A writing worker's waits for its store's cross-process lock "
+             "(locks/gc.lock) that gave up at their bound, by the lock wanted: exclusive (a "
+             "maintenance pass, which waits 20% of its budget: ordinary contention with another "
+             "process's publications), shared (a publication, 10 s, or a leased lookup, 2 s: a "
+             "holder that slow may be stopped or hung; the log says so at most once a minute).",
+             "lock", {"lock_timeouts_shared": "shared", "lock_timeouts_exclusive": "exclusive"}),
 )
 
 # A worker's gauge carries a ``rank`` label: each tensor-parallel rank has its own slots,

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import stat
 import textwrap
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -430,6 +431,90 @@ def _reject_unknown(extra: Mapping[str, object], env: Mapping[str, str]) -> None
             f"{_nearest(name, _ENV_SPELLINGS)} Unset it or fix its name; see `sparkcache --help`.")
 
 
+# ---------------------------------------------------------------------------- direct calls
+# The store's constructors (``PageStore``, ``StoreLayout.create``, ``PassBudget``,
+# ``MaintenanceThread``) and the lock waits take their values from the table above when the
+# connector or the CLI builds them, but a direct call skips it: these are the checks they make
+# themselves, so a NaN, an infinity or a negative size is refused there too.
+
+
+def check_number(where: str, name: str, value: object, *, minimum: float | None = None,
+                 above: float | None = None, maximum: float | None = None,
+                 integer: bool = False, unit: str = "", setting: str | None = None) -> int | float:
+    """``value`` if it is a finite number (a whole one with ``integer``; never a boolean) with
+    ``minimum <= value``, ``above < value`` and ``value <= maximum`` (each when given); else
+    ``SettingsError`` naming ``where(name=value)``, what is wrong, what is allowed and the
+    setting that sets it (``setting``, e.g. SPARKCACHE_LEASE_SECONDS)."""
+    kind = "a whole number" if integer else "a finite number"
+    bounds = [f"{op} {bound}" if isinstance(bound, int) else f"{op} {bound:g}"
+              for op, bound in ((">=", minimum), (">", above), ("<=", maximum)) if bound is not None]
+    allowed = " and ".join(b for b in bounds if b)
+    allowed = f"{kind} {allowed}".strip() + (f" ({unit})" if unit else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problem = f"{type(value).__name__} is not a number"
+    elif integer and not isinstance(value, int):
+        problem = "not a whole number"
+    elif not math.isfinite(value):
+        problem = "not a finite number"
+    elif ((minimum is not None and value < minimum) or (above is not None and value <= above)
+          or (maximum is not None and value > maximum)):
+        problem = "out of range"
+    else:
+        return value
+    via = f" ({setting} sets it through the settings table)" if setting else ""
+    raise SettingsError(f"{where}({name}={value!r}): {problem}; allowed: {allowed}. Fix: pass "
+                        f"a value in that range{via}")
+
+
+def check_root(root: object, label: str = "SPARKCACHE_ROOT") -> str:
+    """``root`` if it can be a store root: a string, absolute, without a NUL byte, and nothing
+    on its way that exists but is not a directory (a regular file, a dangling link). The one
+    check of a root, made by the settings and by ``StoreLayout.create``; a ``{rank}``
+    placeholder is checked as it is written (what exists above it). Else ``SettingsError``
+    naming ``label``, the value and the fix."""
+    if not isinstance(root, str):
+        raise SettingsError(f"{label}={root!r}: not a string; allowed: an absolute directory path")
+    if "\0" in root:
+        raise SettingsError(f"{label}={root!r}: holds a NUL byte, which no path can; allowed: an "
+                            f"absolute directory path. Fix: remove the NUL byte from {label}")
+    if not os.path.isabs(root):
+        raise SettingsError(f"{label}={root!r}: must be an absolute path; allowed: a directory "
+                            "path starting with '/'")
+    probe = os.path.normpath(root)
+    while True:  # the deepest part of the path that exists must be a directory
+        try:
+            st = os.stat(probe)
+        except (FileNotFoundError, NotADirectoryError):
+            if os.path.lexists(probe) and os.path.islink(probe):
+                raise SettingsError(f"{label}={root!r}: {probe} is a symbolic link to nothing; "
+                                    f"allowed: a directory path. Fix: remove the link or point "
+                                    f"{label} at a directory") from None
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return root
+            probe = parent
+            continue
+        except OSError:
+            return root  # cannot be looked at from here (permissions): the store's open says
+        if stat.S_ISDIR(st.st_mode):
+            return root
+        what = "a regular file" if stat.S_ISREG(st.st_mode) else "not a directory"
+        where = "" if probe == os.path.normpath(root) else " (on its way)"
+        raise SettingsError(f"{label}={root!r}: {probe}{where} is {what}; allowed: a directory "
+                            f"path (made if missing). Fix: point {label} at a directory, or "
+                            f"move {probe} away")
+
+
+def check_namespace(namespace: object) -> str:
+    """``namespace`` if the NAMESPACE row of the table allows it (a plain directory name);
+    else ``SettingsError`` naming SPARKCACHE_NAMESPACE, the value and the allowed names."""
+    row = _ROWS_BY_KEY["namespace"]
+    if not isinstance(namespace, str) or not re.fullmatch(row.pattern or "", namespace):
+        raise SettingsError(f"{row.env_var}={namespace!r}: not a plain directory name; allowed: "
+                            f"a name {row.allowed()}. Fix: choose such a name")
+    return namespace
+
+
 def _check_combinations(s: Settings, require_root: bool) -> None:
     if s.low_watermark_bytes > s.max_bytes:
         raise SettingsError(
@@ -442,10 +527,8 @@ def _check_combinations(s: Settings, require_root: bool) -> None:
             "SPARKCACHE_ROOT='' : the store is enabled but has no directory; set "
             "SPARKCACHE_ROOT (or kv_connector_extra_config 'root') to a rank-local directory, "
             "or set SPARKCACHE_ENABLED=0")
-    if s.root and not os.path.isabs(s.root):
-        raise SettingsError(
-            f"SPARKCACHE_ROOT={s.root!r}: must be an absolute path; allowed: a directory path "
-            "starting with '/'")
+    if s.root:
+        check_root(s.root)
     stray = s.root.replace(RANK_PLACEHOLDER, "")
     if "{" in stray or "}" in stray:
         raise SettingsError(

@@ -5,7 +5,8 @@ A worker that publishes (read-write, store-only) keeps its rank's store under ma
 passes at the process's own priority (a niced thread misses its wall-clock budget on a
 saturated CPU; docs/SIZING.md), at least ``maintenance_interval_seconds`` apart and woken
 after each publication. Each pass is folded into the counters and gauges the worker ships
-with its next stats.
+with its next stats, with the waits for the store's lock that gave up meanwhile (counted by
+the store, ``locks.take_lock_timeouts``; only long ones are logged, rarely).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from sparkcache.store import MaintenanceThread, PassBudget, PassReport
+from sparkcache.store.locks import take_lock_timeouts
 
 from .samples import Samples, add_count
 
@@ -28,6 +30,7 @@ logger = logging.getLogger("sparkcache.connector")
 class WorkerMaintenance:
     def __init__(self, store: PageStore, settings: Settings) -> None:
         self.root = settings.root
+        self.layout = store.layout
         self._lock = threading.Lock()
         self._counters: dict[str, float] = {}
         self._gauges: dict[str, float] = {}
@@ -70,5 +73,7 @@ class WorkerMaintenance:
         with self._lock:
             counters, self._counters = self._counters, {}
             gauges, self._gauges = self._gauges, {}
+        for kind, n in take_lock_timeouts(self.layout).items():  # the passes' and publications'
+            add_count(counters, "lock_timeouts_" + kind, n)
         gauges["maintenance_healthy"] = 0.0 if error is not None else 1.0
         return counters, gauges

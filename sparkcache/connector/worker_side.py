@@ -381,7 +381,8 @@ class WorkerSide:
             self.samples.add("publication_bytes", result.bytes_written)
         else:
             self._add("publish_failed_" + result.reason)
-            logger.warning("sparkcache: publication refused (%s): %s", result.reason, result.detail)
+            if result.reason != Reason.LOCK_TIMEOUT:  # counted; the store logs long waits, rarely
+                logger.warning("sparkcache: publication refused (%s): %s", result.reason, result.detail)
         if self.maintenance is not None:
             self.maintenance.trigger()
         return result

@@ -7,6 +7,7 @@
       pins/<entry id>.<token>.pin                  leases protecting entries
       locks/gc.lock                                 publishers (shared) vs collector (exclusive)
       journal/current                               what changed, for the other processes' views
+      locks/writers.lock, cap.lock, cap.json        the writers alive and their one cap (writers.py)
 
 Every path the store opens is built here from validated names; a name that is not a
 lower-case hex digest of the right length is refused (so a manifest cannot smuggle in
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from . import cpus
+from ..settings import check_namespace, check_root
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -63,19 +65,29 @@ class StoreLayout:
     def create(cls, root: str, namespace: str = "default", *, make: bool = True) -> "StoreLayout":
         """The layout of ROOT/NAMESPACE, its directories made unless ``make`` is false (a
         reader that must not write: restore-only, ``status``, ``verify``, ``inspect``)."""
-        if not os.path.isabs(root):
-            raise ValueError(f"store root {root!r}: must be an absolute path")
-        if "/" in namespace or namespace in ("", ".", ".."):
-            raise ValueError(f"namespace {namespace!r}: must be a plain directory name")
+        check_root(root)  # SettingsError (a ValueError) naming SPARKCACHE_ROOT and the fix
+        check_namespace(namespace)
         base = os.path.join(os.path.realpath(root), namespace)
         layout = cls(base)
-        if make:
-            os.makedirs(os.path.dirname(base), exist_ok=True)
-            try:
-                os.mkdir(base)
-            except FileExistsError:
-                pass
-        layout.open_dir(base).close()  # the namespace must be a real directory
+        try:
+            if make:
+                os.makedirs(os.path.dirname(base), exist_ok=True)
+                try:
+                    os.mkdir(base)
+                except FileExistsError:
+                    pass
+            layout.open_dir(base).close()  # the namespace must be a real directory
+        except UnsafePathError:
+            raise UnsafePathError(f"SPARKCACHE_ROOT={root!r}: the store directory {base} (ROOT/"
+                                f"SPARKCACHE_NAMESPACE={namespace!r}) is a symbolic link or not "
+                                "a directory; allowed: a directory. Fix: move it away, or choose "
+                                "another SPARKCACHE_NAMESPACE or SPARKCACHE_ROOT") from None
+        except OSError as exc:
+            fix = ("open a writer of it first (a reader never creates a store), or check "
+                   "SPARKCACHE_ROOT and SPARKCACHE_NAMESPACE" if isinstance(exc, FileNotFoundError)
+                   else "give this user access to it, or point SPARKCACHE_ROOT elsewhere")
+            raise type(exc)(exc.errno, f"SPARKCACHE_ROOT={root!r}: cannot open the store "
+                            f"directory {base}: {exc.strerror}. Fix: {fix}") from None
         for sub in (layout.objects_dir, layout.manifests_dir, layout.staging_dir,
                     layout.pins_dir, layout.locks_dir, layout.journal_dir) if make else ():
             try:

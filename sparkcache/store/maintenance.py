@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from . import cpus
 from .clocks import Clock
 from .collector import ViewIncomplete
+from ..settings import check_number
 from .layout import UnsafePathError
 from .locks import LockTimeout
 from .pacing import PassClock, runqueue_wait_s
@@ -61,6 +62,14 @@ class PassBudget:
     max_entries: int = 64
     max_bytes: int = 4 << 30
     max_ms: float = 100.0
+
+    def __post_init__(self) -> None:  # a NaN or a negative budget: refused, not a busy pass
+        check_number("PassBudget", "max_entries", self.max_entries, minimum=1, integer=True,
+                     setting="SPARKCACHE_MAINTENANCE_MAX_ENTRIES")
+        check_number("PassBudget", "max_bytes", self.max_bytes, minimum=1, integer=True,
+                     unit="bytes", setting="SPARKCACHE_MAINTENANCE_MAX_BYTES")
+        check_number("PassBudget", "max_ms", self.max_ms, above=0, unit="milliseconds",
+                     setting="SPARKCACHE_MAINTENANCE_MAX_MS")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "PassBudget":
@@ -98,6 +107,7 @@ class PassReport:
     units: int = 0  # units of work run (batches of unlinks, fsync rounds, re-list, shards)
     longest_unit_ms: float = 0.0  # wall time of the slowest unit
     runqueue_wait_ms: float = 0.0  # the pass's thread runnable but without a CPU (preempted)
+    error: str = ""  # what stopped a pass by lock, error or unknown (the exception's message)
 
     @property
     def overran(self) -> bool:
@@ -125,6 +135,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     evicted = expired_n = reclaimed = orphans = orphan_bytes = swept = skipped = remaining = 0
     fsync_s = lock_wait_s = plan_s = 0.0
     stopped_by = "done"
+    error = ""
     try:
         with collector.exclusive(timeout_s=clock.lock_timeout()):
             lock_wait_s = clock.now() - clock.start
@@ -167,13 +178,13 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
                 fsync_s += sweep_fsync_s
                 if swept < sweep_shards:
                     stopped_by = "time"
-    except LockTimeout:
-        stopped_by = "lock"
+    except LockTimeout as exc:
+        stopped_by, error = "lock", str(exc)
     except ViewIncomplete as exc:  # a listing or read failed: nothing is deleted on it
-        stopped_by = "unknown"
+        stopped_by, error = "unknown", str(exc)
         log.warning("sparkcache: maintenance pass deleted nothing: %s", exc)
     except (OSError, UnsafePathError) as exc:  # a failing disk: this pass stops, the next tries
-        stopped_by = "error"
+        stopped_by, error = "error", str(exc)
         log.warning("sparkcache: maintenance pass stopped: %s", exc)
     clock.finish()
     snapshot, deferred = collector.end_pass(store.max_bytes, store.low_watermark_bytes)
@@ -184,7 +195,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
                         used_after, store.max_bytes, store.low_watermark_bytes, entries_after,
                         lock_wait_s * 1e3, (time.thread_time() - cpu0) * 1e3, plan_s * 1e3,
                         fsync_s * 1e3, clock.units, clock.longest_unit_s * 1e3,
-                        (runqueue_wait_s() - runq0) * 1e3)
+                        (runqueue_wait_s() - runq0) * 1e3, error)
 
 
 _Planned = tuple[str, int, bool, bool]  # (entry id, expected bytes freed, expired, joined)
@@ -367,6 +378,12 @@ class MaintenanceThread:
                  sweep_every_s: float = 30.0, nice: int | None = 10,
                  on_report: Callable[[PassReport], None] | None = None,
                  keep_reports: int = 10000) -> None:
+        check_number("MaintenanceThread", "interval_s", interval_s, above=0, unit="seconds",
+                     setting="SPARKCACHE_MAINTENANCE_INTERVAL_SECONDS")
+        check_number("MaintenanceThread", "sweep_every_s", sweep_every_s, minimum=0, unit="seconds")
+        if nice is not None:
+            check_number("MaintenanceThread", "nice", nice, minimum=-20, maximum=19, integer=True)
+        check_number("MaintenanceThread", "keep_reports", keep_reports, minimum=0, integer=True)
         self.store = store
         self.budget = budget
         self.interval_s = interval_s

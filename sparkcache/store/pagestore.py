@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Sequence
 
+from .buffers import byte_view
 from .catalog import Catalog
 from .clocks import SYSTEM_CLOCK, Clock
 from .collector import Collector
@@ -36,7 +37,8 @@ from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
 from .verify import VerifyReport, verify_store
-from ..settings import Settings, format_bytes
+from .writers import claim_writer
+from ..settings import Settings, check_number, format_bytes
 
 
 class PageStore:
@@ -46,14 +48,26 @@ class PageStore:
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
                  ttl_seconds: float = 0.0, page_blocks: int = 16,
                  read_only: bool = False, min_free_bytes: int = 0) -> None:
-        """A writer recovers dead publications on open. ``read_only``: a reader that writes
+        """A writer recovers dead publications on open, and joins the store's writers: one
+        whose cap (``max_bytes``, ``low_watermark_bytes``) differs from the live writers' is
+        refused with a ``SettingsError`` (``writers.py``). ``read_only``: a reader that writes
         nothing under the root (restore-only, the CLI's status and inspect; works on a
         read-only mount): no directories made, no recovery, lookups neither record the
         access nor pin (a lease is None), publishing refused."""
-        if low_watermark_bytes > max_bytes:
-            raise ValueError(f"low_watermark_bytes={low_watermark_bytes} > max_bytes={max_bytes}")
+        def check(name: str, value: object, **bounds: object) -> None:  # NaN, inf, -1: refused
+            check_number("PageStore", name, value, setting="SPARKCACHE_" + name.upper(), **bounds)
+
+        check("max_bytes", max_bytes, minimum=1, integer=True, unit="bytes")
+        check("low_watermark_bytes", low_watermark_bytes, minimum=0, maximum=max_bytes,
+              integer=True, unit="bytes, at most max_bytes")
+        check("min_free_bytes", min_free_bytes, minimum=0, integer=True, unit="bytes")
+        check("lease_seconds", lease_seconds, above=0, unit="seconds")
+        check("ttl_seconds", ttl_seconds, minimum=0, unit="seconds; 0: no TTL")
+        check("page_blocks", page_blocks, minimum=1, integer=True, unit="blocks")
         self.read_only = read_only
         self.layout = StoreLayout.create(root, namespace, make=not read_only)
+        # every writer of the store uses one cap (SettingsError otherwise; writers.py)
+        self._claim = None if read_only else claim_writer(self.layout, max_bytes, low_watermark_bytes)
         unit = os.statvfs(self.layout.base).f_frsize or 4096
         self.objects = ObjectStore(self.layout, unit)
         self.max_bytes = max_bytes
@@ -76,6 +90,14 @@ class PageStore:
         else:
             with self._mutex:
                 self.catalog.refresh(full=True)
+
+    def close(self) -> None:
+        """Leave the store's writers (a writer holds its claim until then, until it is
+        collected, or until the process ends) and close the journal's read descriptor (a
+        lookup after this opens it again)."""
+        if self._claim is not None:
+            self._claim.close()
+        self.catalog.index.journal.close()
 
     @classmethod
     def from_settings(cls, settings: Settings, *, read_only: bool = False) -> "PageStore":
@@ -113,6 +135,10 @@ class PageStore:
                 state: bytes | memoryview | None = None) -> PublishResult:
         """Publish the prefix ``block_hashes`` with its page bytes.
 
+        A page (and ``state``) is any C-contiguous buffer, stored as its bytes in row-major
+        order whatever its shape or item format (``buffers.byte_view``); one that is not
+        C-contiguous is a ValueError, something that is not a buffer a TypeError.
+
         ``pages[i]`` holds blocks ``[i*bpp, (i+1)*bpp)`` (the last page may be short). A page
         given as ``None`` is taken from the stored entry that already holds exactly those
         blocks (copy-on-write growth without re-capturing); page objects that already exist
@@ -123,6 +149,9 @@ class PageStore:
             raise PermissionError(f"{self.layout.base}: opened read-only; publishing needs a "
                                   "writer (read-write or store-only)")
         started = time.monotonic()
+        # any C-contiguous buffer, by its bytes: len() of a 2-D or typed view is not its size
+        pages = [None if p is None else byte_view(p, f"page {i}") for i, p in enumerate(pages)]
+        state = None if state is None else byte_view(state, "state")
         bpp = blocks_per_page or self.page_blocks
         keys = block_keys(block_hashes)
         if not keys:
@@ -340,11 +369,6 @@ class PageStore:
                     self.catalog.drop_vanished(entry)
                 return None
         return lease_id
-
-    def close(self) -> None:
-        """Close the descriptors the store keeps open (the journal's); a store that is only
-        dropped closes them when it is collected. Lookups after this open them again."""
-        self.catalog.index.journal.close()
 
     def release(self, lease_id: str | None) -> None:
         if lease_id:

@@ -8,7 +8,9 @@ default, turns a transform on, or fails requests it could recompute.
   would turn the transform on; the transformed scheduler and the connector parse the key with
   the same row of the settings table, which takes JSON booleans only;
 - ``kv_load_failure_policy="fail"`` (vLLM 0.32.0's default) without
-  ``SPARKCACHE_ALLOW_FAILING_LOADS``: every refused restore would fail its request.
+  ``SPARKCACHE_ALLOW_FAILING_LOADS``: every refused restore would fail its request;
+- a root that is a regular file (it used to fail later with a bare ``FileExistsError``);
+- another cap than the one a live writer of the root recorded (the smaller would win).
 The control is the last test's second life: the same model, root and configuration, with the
 opt-in, starts and serves (so the refusals come from the setting, not from a broken base).
 """
@@ -59,3 +61,21 @@ def test_a_load_failure_policy_that_fails_requests_needs_an_explicit_yes(base):
     served = run_in_fresh_process({**base, "load_failure_policy": "fail"}, REPO, timeout=300,
                                   env={"SPARKCACHE_ALLOW_FAILING_LOADS": "1"})
     assert served["results"][0]["tokens"]
+
+
+def test_a_root_that_is_a_file_stops_startup(base, tmp_path):
+    root = tmp_path / "a-file"
+    root.write_bytes(b"not a directory")
+    out = _refused({**base, "extra": {"root": str(root)}})
+    assert f"SPARKCACHE_ROOT={str(root)!r}" in out and "is a regular file" in out, out[-2000:]
+
+
+def test_another_cap_than_a_live_writers_stops_startup(base, tmp_path):
+    from sparkcache.store import PageStore
+
+    root = tmp_path / "shared"
+    writer = PageStore(str(root), max_bytes=2 << 30, low_watermark_bytes=1 << 30)  # alive meanwhile
+    out = _refused({**base, "extra": {"root": str(root)}})  # the default cap, 40GiB
+    assert "SPARKCACHE_MAX_BYTES=40GiB" in out and "SPARKCACHE_MAX_BYTES=2GiB" in out, out[-2000:]
+    assert "cap.json" in out and "SPARKCACHE_NAMESPACE" in out
+    writer.close()

@@ -236,7 +236,10 @@ def per_rank_root_lives(tmp_path_factory):
     out = {"tp4": run_engine({**cfg, "prompts": SMALL[:1], "tensor_parallel_size": 4, **settled(4)},
                              timeout=600, env=_tp_env(4))}
     leases: list[str] = []
-    full = PageStore(str(base / "rank1"))
+    # a writer beside the engine's on rank 1's root opens with their cap (every writer of a root
+    # has one), then lifts its own check so that its filler can take the root over that cap
+    full = PageStore(str(base / "rank1"), max_bytes=3 << 20, low_watermark_bytes=2 << 20)
+    full.max_bytes = 1 << 40  # it publishes only (it runs no maintenance)
 
     def between(_phase: int, _done: list[dict]) -> None:
         out["roots"] = []

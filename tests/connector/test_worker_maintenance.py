@@ -120,25 +120,18 @@ def test_restore_only_worker_runs_no_maintenance(tmp_path):
         worker.close()
 
 
-def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path):
+def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path, caplog):
     """A process holding the store's lock and stopped (SIGSTOP) never hangs the worker: each
     pass gives up on the lock within its budget, shipped as ``maintenance_stopped_lock``
     (``vllm:sparkcache_maintenance_passes_stopped_total{reason="lock"}``); the capture that
     waits for the shared lock fails after its bound instead of blocking the publisher forever."""
+    import logging
     import signal
-    import subprocess
-    import sys
 
+    caplog.set_level(logging.DEBUG, logger="sparkcache")
     worker = _worker(tmp_path / "store", "read-write")
-    lock = worker.store.layout.gc_lock_path
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({lock!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('held', flush=True)\n"
-        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    holder = _lock_holder(worker.store.layout.gc_lock_path, "LOCK_EX")
     try:
-        assert holder.stdout.readline().strip() == "held"
         holder.send_signal(signal.SIGSTOP)
         counters: dict[str, float] = {}
         gauges: dict[str, float] = {}
@@ -149,12 +142,64 @@ def test_a_stopped_lock_holder_stops_passes_and_is_counted(tmp_path):
                      and counters.get("maintenance_stopped_lock", 0) >= 1, timeout=90)
         assert counters.get("captures_publish_failed") == 1, counters
         assert counters.get("maintenance_stopped_lock", 0) >= 1, counters
+        # the publication's 10 s wait and the passes' waits, counted by kind
+        assert counters.get("lock_timeouts_shared") == 1, counters
+        assert counters.get("lock_timeouts_exclusive", 0) >= counters["maintenance_stopped_lock"], counters
+        # one warning says so (the publication's long wait), the store's, not one per event
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([m for m in logged if "lock" in m]) == 1, logged
         assert gauges["maintenance_healthy"] == 1.0  # gave up, did not die
         assert set(counters) <= COUNTER_KEYS and set(gauges) <= RANK_GAUGE_KEYS, (counters, gauges)
     finally:
         holder.kill()
         holder.wait()
         worker.close()
+
+
+def _lock_holder(lock: str, operation: str):
+    """Another process holding ``lock`` with ``fcntl.flock(operation)`` until killed."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, time\n"
+        f"fd = os.open({lock!r}, os.O_RDWR | os.O_CREAT)\n"
+        f"fcntl.flock(fd, fcntl.{operation})\n"
+        "print('held', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_ordinary_lock_contention_is_counted_not_logged(tmp_path, caplog):
+    """Another process holding the store's lock shared (a writer publishing): each pass of an
+    over-full store gives up on the exclusive lock within its budget. Each is counted
+    (``lock_timeouts_exclusive``, ``vllm:sparkcache_lock_timeouts_total{lock="exclusive"}``)
+    and none is logged: a 20 ms wait that fails says nothing about a stopped process."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="sparkcache")
+    worker = _worker(tmp_path / "store", "read-write")
+    holder = _lock_holder(worker.store.layout.gc_lock_path, "LOCK_SH")  # a publishing writer
+    try:
+        for first in (0, 1):  # two entries of 2 MiB: over 3 MiB (one entry may not exceed the cap)
+            keys = BlockKeys(BLOCK).upto(list(range(first, first + 16 * BLOCK + 1)), 16)
+            assert worker.store.publish(worker.identity, keys, [os.urandom(2 << 20)]).ok
+        counters: dict[str, float] = {}
+        gauges: dict[str, float] = {}
+        _stats_until(worker, counters, gauges,
+                     lambda: counters.get("maintenance_stopped_lock", 0) >= 5, timeout=90)
+    finally:
+        holder.kill()
+        holder.wait()
+        worker.close()
+    counters.update({k: counters.get(k, 0) + v for k, v in worker.take_stats(time.monotonic())[0].items()})
+    assert counters["maintenance_stopped_lock"] >= 5, counters
+    assert counters.get("lock_timeouts_exclusive") == counters["maintenance_stopped_lock"], counters
+    assert "lock_timeouts_shared" not in counters, counters
+    assert set(counters) <= COUNTER_KEYS, counters
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in logged if "lock" in m], logged
 
 
 def test_a_refused_publication_is_shipped_with_its_reason_and_free_space_with_the_gauges(tmp_path):

@@ -23,7 +23,7 @@ from sparkcache.store import PassBudget, run_pass, verify_store
 from sparkcache.store.identity import entry_id_for
 from sparkcache.store.layout import StoreLayout
 from sparkcache.store.manifests import MAGIC
-from store_helpers import IDENT, REPO_ROOT, conv_keys, conv_pages, open_store
+from store_helpers import CLI_CAP, IDENT, REPO_ROOT, conv_keys, conv_pages, open_store
 
 HANG_S = float(os.environ.get("HOSTILE_HANG_S", "10"))  # one in-process operation
 CLI_TIMEOUT_S = float(os.environ.get("HOSTILE_CLI_TIMEOUT_S", "20"))
@@ -266,8 +266,8 @@ def battery(trial: Trial, root: str, *, watch: OutsideWatch | None = None,
             evict: bool = True, run_cli: bool = True, store_kw: dict | None = None) -> dict:
     """Every public operation once: open a writer (recovery), lookups (plain, leased +
     release, verified) with a check that a hit reads exactly the published bytes, publish,
-    a maintenance pass with a full orphan sweep, an evicting pass (a second writer with
-    max_bytes=1), verify_store, and the CLI's status, verify, inspect and gc. Returns what
+    a maintenance pass with a full orphan sweep, an evicting pass (a second writer whose TTL
+    expires every entry), verify_store, and the CLI's status, verify, inspect and gc. Returns what
     it saw: ``store``, ``hits`` (conv -> LookupResult), ``publish``, ``verify``,
     ``cli_verify``."""
     seen: dict[str, Any] = {"hits": {}}
@@ -322,12 +322,12 @@ def battery(trial: Trial, root: str, *, watch: OutsideWatch | None = None,
         trial.check_cli("inspect", "inspect", prefix, "--root", str(root), "--verify")
         if watch is not None:
             watch.check("CLI inspect")
-        trial.check_cli("gc", "gc", "--root", str(root))
+        trial.check_cli("gc", "gc", "--root", str(root), "--config", CLI_CAP)  # the writers' cap
         if watch is not None:
             watch.check("CLI gc")
-    if evict:
-        evictor = step("PageStore(writer, max_bytes=1) open",
-                       lambda: open_store(root, max_bytes=1, low_watermark_bytes=0, **kw))
+    if evict:  # every writer of a root has one cap: this one evicts by a TTL shorter than any age
+        evictor = step("PageStore(writer, ttl_seconds=1e-6) open",
+                       lambda: open_store(root, ttl_seconds=1e-6, **kw))
         if evictor is not None:
             step("evicting run_pass", lambda: run_pass(evictor, BIG_BUDGET, sweep_shards=256))
     return seen

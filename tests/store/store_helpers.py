@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -38,10 +39,17 @@ def conv_pages(conv: int, n_blocks: int, bpp: int, size_per_block: int = 256) ->
     return out
 
 
+# open_store's cap. Every writer of a root uses one cap (PageStore refuses another while a
+# writer with this one is alive): a CLI writer (gc) beside open_store's writers passes
+# ``"--config", CLI_CAP``.
+CAP = {"max_bytes": 1 << 30, "low_watermark_bytes": 1 << 29}
+CLI_CAP = json.dumps({"max_bytes": "1GiB", "low_watermark_bytes": "512MiB"})
+
+
 def open_store(root: str, **kw) -> PageStore:
     kw.setdefault("page_blocks", 4)
-    kw.setdefault("max_bytes", 1 << 30)
-    kw.setdefault("low_watermark_bytes", 1 << 29)
+    for key, value in CAP.items():
+        kw.setdefault(key, value)
     return PageStore(str(root), **kw)
 
 

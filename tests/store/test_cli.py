@@ -7,6 +7,7 @@ import re
 import pytest
 
 from sparkcache.store import PassBudget  # noqa: F401  (import check: no vLLM/torch needed)
+from hostile_helpers import stopped_lock_holder
 from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
 
 
@@ -71,14 +72,14 @@ def test_verify_ok_and_failing(tmp_path):
 
 
 def test_gc_runs_one_bounded_pass(tmp_path):
-    store = _store(tmp_path, n_convs=6)
+    _store(tmp_path, n_convs=6).close()  # every writer of a root uses one cap: this one leaves
     cli = run_cli("gc", "--root", str(tmp_path / "s"), "--config",
                   json.dumps({"max_bytes": "1MiB", "low_watermark_bytes": 0,
                               "maintenance_max_entries": 2}))
     assert cli.returncode == 0, cli.stderr
     # under max: nothing to evict
     assert "evicted=0" in cli.stdout and "stopped_by=done" in cli.stdout
-    store.max_bytes = 1 << 20
+    store = open_store(tmp_path / "s", max_bytes=1 << 20, low_watermark_bytes=512 << 10)
     for conv in range(6, 80):  # push it over 1 MiB
         store.publish(IDENT, conv_keys(conv, 10), conv_pages(conv, 10, 4))
     cli = run_cli("gc", "--root", str(tmp_path / "s"), "--config",
@@ -87,6 +88,64 @@ def test_gc_runs_one_bounded_pass(tmp_path):
     assert cli.returncode == 0, cli.stderr
     assert "evicted=2 " in cli.stdout and "stopped_by=entries" in cli.stdout
     assert re.search(r"remaining_entries=[1-9]", cli.stdout), cli.stdout
+
+
+def test_gc_exits_3_when_another_process_holds_the_lock(tmp_path):
+    """A pass that never got the store's lock did not do its job: exit 3 (busy), a line that
+    says why and what to do; the pass's report is still printed."""
+    store = _store(tmp_path)
+    store.close()  # the gc below is the store's one writer (its cap is the settings' default)
+    with stopped_lock_holder(store.layout.gc_lock_path):
+        cli = run_cli("gc", "--root", str(tmp_path / "s"))
+    assert cli.returncode == 3, (cli.returncode, cli.stdout, cli.stderr)
+    assert "stopped_by=lock" in cli.stdout
+    last = cli.stderr.strip().splitlines()[-1]
+    assert last.startswith("sparkcache gc:") and "lock" in last, last
+    assert "again" in last and f"fuser {store.layout.gc_lock_path}" in last, last
+
+
+def test_gc_exits_1_when_its_pass_stopped_on_an_error(tmp_path):
+    store = _store(tmp_path)
+    store.close()
+    os.unlink(store.layout.gc_lock_path) if os.path.lexists(store.layout.gc_lock_path) else None
+    os.mkdir(store.layout.gc_lock_path)  # a directory where the lock file belongs
+    cli = run_cli("gc", "--root", str(tmp_path / "s"))
+    assert cli.returncode == 1, (cli.returncode, cli.stdout, cli.stderr)
+    assert "stopped_by=error" in cli.stdout
+    last = cli.stderr.strip().splitlines()[-1]
+    assert last.startswith("sparkcache gc:") and store.layout.gc_lock_path in last, last
+    assert "sparkcache verify" in last and "again" in last, last
+
+
+@pytest.mark.parametrize("cmd", ["status", "inspect"])
+def test_a_command_that_cannot_list_the_manifests_exits_1(tmp_path, cmd):
+    """status counted zero entries and said healthy=yes with a file in place of manifests/."""
+    store = _store(tmp_path)
+    import shutil
+    shutil.rmtree(store.layout.manifests_dir)
+    with open(store.layout.manifests_dir, "w") as f:
+        f.write("not a directory")
+    cli = run_cli(cmd, "--root", str(tmp_path / "s"), *SUBCOMMANDS[cmd])
+    assert cli.returncode == 1, (cli.returncode, cli.stdout, cli.stderr)
+    assert "healthy=yes" not in cli.stdout
+    line = cli.stderr.strip().splitlines()[-1]
+    assert store.layout.manifests_dir in line and "sparkcache verify" in line, line
+
+
+def test_inspect_of_no_entry_says_so(tmp_path):
+    _store(tmp_path)
+    cli = run_cli("inspect", "--root", str(tmp_path / "s"), "ffffffff")
+    assert cli.returncode == 1
+    assert "no entry" in cli.stderr and "longer prefix" not in cli.stderr, cli.stderr
+
+
+def test_the_help_documents_the_exit_codes():
+    top = run_cli("--help")
+    assert "Exit codes" in top.stdout, top.stdout
+    for code, words in (("0", "did its job"), ("1", "failed"), ("2", "usage"), ("3", "busy")):
+        assert re.search(rf"^\s+{code}\s+.*{words}", top.stdout, re.M), (code, top.stdout)
+    for cmd in ("status", "verify", "gc", "inspect"):
+        assert "exit" in run_cli(cmd, "--help").stdout.lower(), cmd
 
 
 def test_inspect_entry(tmp_path):

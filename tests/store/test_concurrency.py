@@ -13,9 +13,9 @@ READER_HITS = 20  # verified reads per reader, at least
 JOIN_S = 600  # a hang guard, not a speed target: every process stops on its own progress
 
 
-def _publisher(root, worker, convs, log_path, evicted, passes, min_evicted):
+def _publisher(root, cap, worker, convs, log_path, evicted, passes, min_evicted):
     rng = random.Random(worker)
-    store = open_store(root, page_blocks=BPP)
+    store = open_store(root, page_blocks=BPP, **cap)
     state = {c: 0 for c in convs}
     attempts = 0
     with open(log_path, "w") as log:
@@ -33,9 +33,9 @@ def _publisher(root, worker, convs, log_path, evicted, passes, min_evicted):
                 raise AssertionError(result)
 
 
-def _reader(root, worker, convs, out_path, publishers_done, use_lease):
+def _reader(root, cap, worker, convs, out_path, publishers_done, use_lease):
     rng = random.Random(1000 + worker)
-    store = open_store(root, page_blocks=BPP)
+    store = open_store(root, page_blocks=BPP, **cap)
     hits = bad = pinned_failures = 0
     while not (publishers_done.is_set() and hits >= READER_HITS):
         conv = rng.choice(convs)
@@ -54,8 +54,8 @@ def _reader(root, worker, convs, out_path, publishers_done, use_lease):
         f.write(f"{hits} {bad} {pinned_failures}\n")
 
 
-def _maintainer(root, max_bytes, low, evicted, passes, publishers_done):
-    store = open_store(root, page_blocks=BPP, max_bytes=max_bytes, low_watermark_bytes=low)
+def _maintainer(root, cap, evicted, passes, publishers_done):
+    store = open_store(root, page_blocks=BPP, **cap)
     while not publishers_done.is_set():
         report = run_pass(store, PassBudget(max_entries=16, max_bytes=1 << 30, max_ms=50),
                           sweep_shards=32)
@@ -73,7 +73,8 @@ def _run(tmp_path, max_bytes, low, use_lease, min_evicted=0):
     maintainer runs until the publishers are done; each reader until then and until it read
     READER_HITS entries. Progress, not a duration: the same work on a fast or a slow machine."""
     root = str(tmp_path / "store")
-    open_store(root, page_blocks=BPP)
+    cap = {"max_bytes": max_bytes, "low_watermark_bytes": low}  # every writer of a root: one cap
+    open_store(root, page_blocks=BPP, **cap)
     ctx = mp.get_context("fork")
     evicted, passes, publishers_done = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
     publishers, others, logs, outs = [], [], [], []
@@ -82,13 +83,13 @@ def _run(tmp_path, max_bytes, low, use_lease, min_evicted=0):
     for w, convs in plans.items():
         logs.append(str(tmp_path / f"pub{w}.log"))
         publishers.append(ctx.Process(target=_publisher,
-                                      args=(root, w, convs, logs[-1], evicted, passes, min_evicted)))
+                                      args=(root, cap, w, convs, logs[-1], evicted, passes,
+                                            min_evicted)))
     for w in range(3):
         outs.append(str(tmp_path / f"read{w}.out"))
-        others.append(ctx.Process(target=_reader, args=(root, w, list(range(8)), outs[-1],
+        others.append(ctx.Process(target=_reader, args=(root, cap, w, list(range(8)), outs[-1],
                                                         publishers_done, use_lease)))
-    others.append(ctx.Process(target=_maintainer,
-                              args=(root, max_bytes, low, evicted, passes, publishers_done)))
+    others.append(ctx.Process(target=_maintainer, args=(root, cap, evicted, passes, publishers_done)))
     try:
         for p in publishers + others:
             p.start()
@@ -119,7 +120,7 @@ def test_concurrent_publish_read_and_maintenance_lose_nothing(tmp_path):
             conv, n = map(int, line.split())
             complete[conv] = max(complete.get(conv, 0), n)
     assert len(complete) == 8
-    store = open_store(root, page_blocks=BPP)
+    store = open_store(root, page_blocks=BPP, max_bytes=1 << 30, low_watermark_bytes=1 << 29)
     for conv, n in complete.items():
         lookup, read = store.fetch(IDENT, conv_keys(conv, n))
         assert lookup.hit_blocks == n and read.ok, (conv, n, lookup)
@@ -135,5 +136,5 @@ def test_concurrent_eviction_never_breaks_a_leased_read(tmp_path):
     assert evicted > 20  # eviction really ran while the publishers published
     assert sum(t[1] for t in totals) == 0
     assert sum(t[2] for t in totals) == 0  # a leased entry's pages were never deleted
-    store = open_store(root, page_blocks=BPP)
+    store = open_store(root, page_blocks=BPP, read_only=True)
     assert verify_store(store.layout).ok

@@ -12,13 +12,14 @@ fast or a loaded machine. Only those calls change what recovery finds; a kill be
 them leaves the same files as a kill at the next one.
 """
 
+import json
 import os
 import random
 import select
 import signal
 
 from sparkcache.store import PassBudget, run_pass, verify_store
-from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
+from store_helpers import CLI_CAP, IDENT, conv_keys, conv_pages, open_store, run_cli
 
 TRIALS = 220
 CONVS = 4
@@ -152,7 +153,8 @@ def test_sigkill_publisher_at_random_points(tmp_path):
     assert kills_with_work > TRIALS // 5  # many children finished publications before the kill
     assert interrupted > TRIALS // 5  # and many kills landed inside a publication
     # recovery leaves no stale publication behind, and a full gc + verify is clean
-    cli = run_cli("gc", "--root", root, "--config", '{"maintenance_max_ms": 30000}')
+    cli = run_cli("gc", "--root", root, "--config", json.dumps(  # the writers' cap: one per root
+        {"maintenance_max_ms": 30000, **json.loads(CLI_CAP)}))
     assert cli.returncode == 0 and "stopped_by=done" in cli.stdout, cli.stdout + cli.stderr
     assert [n for n in os.listdir(os.path.join(root, "default", "staging"))] == []
     cli = run_cli("verify", "--root", root)

@@ -53,7 +53,7 @@ def template(tmp_path_factory) -> tuple[Path, int, int]:
     """A store (plain directory) with five entries of different ages, an orphan object,
     and the caps that make a pass evict about half of them."""
     root = tmp_path_factory.mktemp("template")
-    store = _open(root)
+    store = _open(root, max_bytes=1 << 20, low=1 << 19)
     for age, conv in enumerate(CONVS):
         assert store.publish(IDENT, conv_keys(conv, 8), conv_pages(conv, 8, 4, PER_BLOCK)).ok
         os.utime(store.catalog.entry(_entry_id(store, conv)).path, (1000.0 + age, 1000.0 + age))
@@ -61,6 +61,8 @@ def template(tmp_path_factory) -> tuple[Path, int, int]:
     os.makedirs(os.path.dirname(orphan), exist_ok=True)
     Path(orphan).write_bytes(ORPHAN)
     used = store.capacity().used_bytes
+    store.close()
+    os.unlink(root / "default" / "locks" / "cap.json")  # each run's writer records its own cap
     return root, used - 1, used // 2
 
 
@@ -110,6 +112,7 @@ def _run(fs: FaultFS, template, fault: tuple[str, str, int, int] | None) -> set[
         pin_store = _open(fs.mount, read_only=True)
         pinned = _entry_id(pin_store, PINNED)
         create_pin(pin_store.layout, pinned, 3600)
+        pin_store.close()
         if fault is not None:
             op, path, nth, err = fault
             fs.fail(op, "^" + path + "$", err, after=nth)
@@ -119,6 +122,7 @@ def _run(fs: FaultFS, template, fault: tuple[str, str, int, int] | None) -> set[
             report = f"open failed: {exc}"
         else:
             report = run_pass(store, BUDGET, sweep_shards=256, timer=stopped_clock)
+            store.close()
     assert fs.fired() == (fault is not None), f"the fault {fault} never happened"
     after = _files(fs.backing)
     return before - after, report
@@ -147,9 +151,11 @@ def _ops_of_clean_run(fs: FaultFS, template) -> list[tuple[str, str, int]]:
     with _LivePublication(fs.mount):
         pin_store = _open(fs.mount, read_only=True)
         create_pin(pin_store.layout, _entry_id(pin_store, PINNED), 3600)
+        pin_store.close()
         fs.record(True)
         store = _open(fs.mount, max_bytes=cap, low=low)
         run_pass(store, BUDGET, sweep_shards=256, timer=stopped_clock)
+        store.close()
         log = fs.take_log()
     seen: dict[tuple[str, str], int] = {}
     out = []
@@ -210,9 +216,10 @@ def test_a_manifest_unreadable_at_open_is_read_once_readable_again(fs, template)
     shutil.copytree(root / "default", fs.backing / "default", copy_function=shutil.copy2)
     before = _files(fs.backing)
     fs.fail("open", r"^/default/manifests/[0-9a-f]+/[0-9a-f]+\.mf$", errno.EACCES, times=-1)
-    store = _open(fs.mount)
+    store = _open(fs.mount, max_bytes=1 << 20, low=1 << 19)
     fs.clear()
     run_pass(store, BUDGET, sweep_shards=256, timer=stopped_clock)
+    store.close()
     removed = before - _files(fs.backing)
     assert all(r.endswith(digest_of(ORPHAN)[2:]) for r in removed), sorted(removed)
     for conv in CONVS:

@@ -41,7 +41,7 @@ from hostile_helpers import (BIG_BUDGET, GOOD, NEW_CONV, OutsideWatch, Trial, ba
                              hex_name, json_body, make_fifo, problem_names, publish_good,
                              remount_read_only, small_tmpfs, stopped_lock_holder)
 from mounts import read_only_view
-from store_helpers import IDENT, conv_keys, conv_pages, open_store, run_cli
+from store_helpers import CLI_CAP, IDENT, conv_keys, conv_pages, open_store, run_cli
 
 LOCK_BOUND_S = 30.0
 
@@ -468,6 +468,7 @@ def test_a_pin_never_protects_beyond_the_lease(world, expiry):
     past = time.time() - 3600
     os.utime(pin, (past, past))
     time.sleep(1.2)  # past lease_seconds=1 even counted from the pin's ctime
+    store.close()  # the evictor, alone, records its own cap
     evictor = PageStore(str(root), page_blocks=4, max_bytes=1, low_watermark_bytes=0,
                         lease_seconds=1)
     trial = Trial()
@@ -550,7 +551,7 @@ def test_a_deep_directory_in_staging_neither_raises_nor_holds_a_pass(tmp_path):
         fresh = open_store(tmp_path / "s")
         assert run_pass(fresh, BIG_BUDGET, sweep_shards=256).stopped_by == "done"
         assert fresh.lookup(IDENT, conv_keys(1, 4), lease=True).hit
-        res = run_cli("gc", "--root", str(tmp_path / "s"))
+        res = run_cli("gc", "--root", str(tmp_path / "s"), "--config", CLI_CAP)
         assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
         assert not os.path.exists(top) or top in run_cli("verify", "--root",
                                                          str(tmp_path / "s")).stdout
