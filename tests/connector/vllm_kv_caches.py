@@ -91,3 +91,12 @@ def block_mask(kv: VllmKV, blocks: dict[str, list[int]]) -> torch.Tensor:
         for b in ids:
             grouped[b].fill_(1)
     return twin.bool()
+
+
+def apart_from(kv: VllmKV, taken: dict[str, list[int]], layers: tuple[str, ...]) -> set[int]:
+    """The block ids whose bytes in ``layers`` share none with blocks ``taken``. Cache groups
+    overlay one allocation, and in layouts whose blocks are not one run per layer (LHBNC,
+    BHLNC) a recurrent block can cover part of another id's attention block."""
+    busy = block_mask(kv, taken)
+    return {b for b in range(kv.config.num_blocks)
+            if not (block_mask(kv, {n: [b] for n in layers}) & busy).any()}
