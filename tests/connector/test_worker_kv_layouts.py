@@ -24,7 +24,7 @@ from sparkcache.connector.worker_side import WorkerSide
 from sparkcache.settings import load_settings
 from sparkcache.store import Identity
 
-from .vllm_kv_caches import BLOCK, NUM_BLOCKS, VllmKV, block_mask, vllm_kv_caches
+from .vllm_kv_caches import BLOCK, NUM_BLOCKS, VllmKV, apart_from, block_mask, vllm_kv_caches
 
 CAPTURED = 20   # pages of 8 blocks: 8, 8, 4
 START = 3       # the restore's first 3 blocks are local hits: placed from block 3 on
@@ -35,10 +35,8 @@ PAGE_BLOCKS = 8
 SPLIT_LAYERS = {"LBHNC": 2, "LBNHC": 2, "BLHNC": 1, "BLNHC": 1}
 NEVER_SPLIT = ("LHBNC", "BHLNC")  # blocks are not dense pages: vLLM never splits them
 LAYOUTS = (*SPLIT_LAYERS, *NEVER_SPLIT)
-# Issue 41: the worker indexes dim 0 as manager blocks; with kernel blocks it moves 1/4 of others.
-_ISSUE_41 = pytest.mark.xfail(strict=True, reason="issue 41: kernel blocks taken for manager blocks")
 CASES = [pytest.param(name, 1, 2, id=f"{name}-ratio1") for name in LAYOUTS] + [
-    pytest.param(name, 4, n, id=f"{name}-ratio4", marks=_ISSUE_41) for name, n in SPLIT_LAYERS.items()]
+    pytest.param(name, 4, n, id=f"{name}-ratio4") for name, n in SPLIT_LAYERS.items()]
 
 
 def _worker(kv: VllmKV, root, mode: str) -> WorkerSide:
@@ -59,6 +57,7 @@ def _capture(worker: WorkerSide, keys: list[str], ids: list[int], state_id: int 
     worker.capture(CapturePlan("store", keys, 0, [ids] + ([[]] if hybrid else []),
                                state_block_ids=[state_id] if hybrid else None))
     worker.capture_after_forward()  # the forward that wrote the state (hybrid plans wait for it)
+    assert worker.slots.stats.queued == 1, "the capture was not copied out"
     deadline = time.monotonic() + 60
     while worker.slots.stats.published < 1:
         assert worker.slots.stats.publish_failed == 0 and time.monotonic() < deadline
@@ -82,10 +81,11 @@ def test_restore_places_whole_manager_blocks(tmp_path, layout, ratio, layers, hy
     dst = vllm_kv_caches(layout, ratio, hybrid=hybrid, layers=layers, seed=2)
     assert src.caches[src.page_layers[0]].shape[0] == NUM_BLOCKS * ratio  # what the worker gets
     rng = random.Random(f"{layout}{ratio}{hybrid}")
-    src_ids = rng.sample(range(1, NUM_BLOCKS), CAPTURED + 1)  # shuffled; the last for the state
+    src_ids = rng.sample(range(1, NUM_BLOCKS), CAPTURED + hybrid)  # shuffled; one more: the state's
     src_state = src_ids.pop() if hybrid else None
     dst_ids = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - (CAPTURED - START), -1))  # descending
-    dst_state = 1 if hybrid else None
+    dst_state = 1 if hybrid else None  # its bytes apart from the attention blocks' (groups overlay)
+    assert not hybrid or dst_state in apart_from(dst, {dst.page_layers[0]: dst_ids}, dst.state_layers)
     keys = BlockKeys(BLOCK).upto(list(range(1, CAPTURED * BLOCK + 2)), CAPTURED)
 
     writer = _worker(src, tmp_path / "store", "read-write")
