@@ -35,17 +35,15 @@ The buffers a restore reads are anything with the buffer protocol (``mmap``, ``b
 
 from __future__ import annotations
 
+import mmap
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    import mmap
-
-    PageBuffer = bytes | bytearray | memoryview | mmap.mmap
-
+# What a restore reads a page from: anything with the buffer protocol.
+PageBuffer = bytes | bytearray | memoryview | mmap.mmap
 # Element types by width in bytes, widest first; copies move whole elements, never convert.
 _BY_WIDTH = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
