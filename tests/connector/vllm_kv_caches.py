@@ -95,8 +95,10 @@ def block_mask(kv: VllmKV, blocks: dict[str, list[int]]) -> torch.Tensor:
 
 def apart_from(kv: VllmKV, taken: dict[str, list[int]], layers: tuple[str, ...]) -> set[int]:
     """The block ids whose bytes in ``layers`` share none with blocks ``taken``. Cache groups
-    overlay one allocation, and in layouts whose blocks are not one run per layer (LHBNC,
-    BHLNC) a recurrent block can cover part of another id's attention block."""
+    overlay one allocation from byte 0; in LHBNC, where a layer's block is one run per head,
+    recurrent block ``s`` covers part of the attention blocks of other ids (2s's first head
+    here), so a test keeps the two groups' blocks apart as vLLM's block ownership alone does
+    not."""
     busy = block_mask(kv, taken)
     return {b for b in range(kv.config.num_blocks)
             if not (block_mask(kv, {n: [b] for n in layers}) & busy).any()}
