@@ -2,7 +2,7 @@
 into KV tensors laid out as vLLM's CPU backend hands them over, split into its parts.
 
     python -m bench.restore_path --out bench-out/restore_path.json [--prompt-tokens 2048,8192,32768,65536]
-        [--reps 5] [--cold]
+        [--reps 5] [--cold] [--dest-order ascending|descending|shuffled]
 
 Real parts: sparkcache's worker half (``WorkerSide``) and store on disk, vLLM 0.32.0's KV
 cache config types, torch tensors of ``testing.tinymodel.BENCH``'s shape (8 layers, 4 KV
@@ -20,7 +20,9 @@ this thread:
   byte for byte against the captured KV.
 
 With ``--cold`` the objects are evicted from the page cache before each timed part that
-reads them. Medians in the JSON, with the bytes and GB/s of each part.
+reads them. ``--dest-order``: the destination block ids in ascending order (the default), in
+descending order or shuffled (vLLM hands out both after churn). Medians in the JSON, with the
+bytes and GB/s of each part.
 """
 
 from __future__ import annotations
@@ -66,7 +68,12 @@ def _worker(root: str, num_blocks: int):
     return worker
 
 
-def point(tokens: int, reps: int, cold: bool, work: Path) -> dict:
+DEST_ORDERS = ("ascending", "descending", "shuffled")
+
+
+def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "ascending") -> dict:
+    import random
+
     import torch
 
     from bench.page_cache import evict, read_rate
@@ -88,6 +95,10 @@ def point(tokens: int, reps: int, cold: bool, work: Path) -> dict:
         paths = [worker.store.objects.path(p.digest) for p in stored.pages]
         nbytes = sum(p.size for p in stored.pages)
         dest = list(range(blocks, 2 * blocks))  # the second half of the cache
+        if dest_order == "descending":
+            dest.reverse()
+        elif dest_order == "shuffled":
+            random.Random(0).shuffle(dest)
         reference = {n: kv[:blocks].clone() for n, kv in worker.kv.items()}
         times: dict[str, list[float]] = {"raw_read": [], "verify": [], "place": [], "load": []}
         for _ in range(reps):
@@ -115,7 +126,7 @@ def point(tokens: int, reps: int, cold: bool, work: Path) -> dict:
             if not all(torch.equal(worker.kv[n][dest], reference[n]) for n in worker.kv):
                 raise RuntimeError(f"{tokens} tokens: the restore placed other bytes than were captured")
         med = {k: _median(v) for k, v in times.items()}
-        return {"prompt_tokens": tokens, "bytes": nbytes, "pages": len(stored.pages),
+        return {"prompt_tokens": tokens, "bytes": nbytes, "pages": len(stored.pages), "dest_order": dest_order,
                 "median_s": med, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
                 "load_of_raw_read": med["raw_read"] / med["load"], "all_s": times}
     finally:
@@ -129,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sizes in tokens, comma-separated (default 2048,8192,32768,65536)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per size (medians reported)")
     p.add_argument("--cold", action="store_true", help="evict the stored objects before each timed read")
+    p.add_argument("--dest-order", choices=DEST_ORDERS, default="ascending",
+                   help="the order of the destination block ids (default ascending)")
     p.add_argument("--work-dir", default=None, help="where the stores live (default: the system temp dir)")
     args = p.parse_args(argv)
     if args.reps < 1:
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = []
         for n in sizes:
-            points.append(point(n, args.reps, args.cold, work))
+            points.append(point(n, args.reps, args.cold, work, args.dest_order))
             m, g = points[-1]["median_s"], points[-1]["gb_per_s"]
             print(f"{n:>7} tokens {points[-1]['bytes'] / 1e6:>7.0f} MB: " +
                   "  ".join(f"{k} {m[k] * 1e3:.1f} ms ({g[k]:.2f} GB/s)" for k in m), flush=True)

@@ -10,8 +10,9 @@ Load it with::
 vLLM is imported lazily: importing this package does not import vLLM; touching
 ``SparkcacheConnector`` does. Modules: ``keys`` (identity and block keys), ``attribution``
 (per-request records), ``capture_slots`` (bounded asynchronous publication),
-``scheduler_side`` / ``worker_side`` (the two halves), ``stats`` (vLLM stats and
-Prometheus hooks), ``connector`` (the class vLLM loads).
+``scheduler_side`` / ``worker_side`` (the two halves), ``kv_copy`` (every tensor
+operation of capture and restore), ``stats`` (vLLM stats and Prometheus hooks),
+``connector`` (the class vLLM loads).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Worker half: verified restores into vLLM's blocks, captures into bounded slots.
 
 Page format (one store object per page of ``page_blocks`` blocks): for every attention
-layer, in KV-group order and the group's layer order, the raw bytes of that layer's
-blocks of the page, block after block (``kv_caches[layer][block_id]``; vLLM 0.32.0 hands
-per-layer views with blocks at dim 0). A page whose size does not match this layout is
-refused like a corrupt one.
+layer, in KV-group order and the group's layer order, that layer's blocks of the page,
+block after block, each as the logical ``[heads, tokens, content]`` array of the manager
+block, whatever the physical stride order and however vLLM splits blocks into kernel blocks
+(``kv_copy``, which does every tensor operation here). A page whose size does not match this
+layout is refused like a corrupt one.
 
 Restores read the pages the scheduler's lookup found (``LoadPlan.stored``; no second
 lookup) and read and verify (BLAKE3) every one of them before any byte is placed (read with
@@ -32,16 +33,15 @@ import logging
 import os
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sparkcache.metrics import store_gauges
 from sparkcache.store import cpus
-from sparkcache.store.manifests import pages_needed
 from sparkcache.store import ObjectError
 from sparkcache.store.reasons import Reason
 
+from . import kv_copy
 from .capture_slots import CaptureSlots, CaptureSlotStats
 from .kv_layout import KVLayout, LayoutKind
 from .samples import Samples, add_count
@@ -49,8 +49,6 @@ from .scheduler_side import CapturePlan, LoadPlan, StoredPages
 from .worker_maintenance import WorkerMaintenance
 
 if TYPE_CHECKING:  # for readers and type checkers; never imported at run time here
-    import mmap
-
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -63,19 +61,8 @@ logger = logging.getLogger("sparkcache.connector")
 @dataclass
 class _PublishJob:
     keys: list[str]
-    pages: list[bytes | None]  # None: a page a stored entry holds (``CapturePlan.reuse_pages``)
-    state: bytes | None = None
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """``(position, first block id, length)`` of each run of consecutive ids."""
-    out: list[tuple[int, int, int]] = []
-    for pos, b in enumerate(ids):
-        if out and out[-1][1] + out[-1][2] == b:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((pos, b, 1))
-    return out
+    pages: list[memoryview | None]  # None: a page a stored entry holds (``CapturePlan.reuse_pages``)
+    state: memoryview | None = None
 
 
 class WorkerSide:
@@ -88,8 +75,9 @@ class WorkerSide:
         self.bpp = settings.page_blocks
         self.layout = layout
         self.group_layers = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        self.num_blocks = int(kv_cache_config.num_blocks)  # manager blocks per layer
         self.after_forward: list[CapturePlan] = []  # hybrid capture plans, copied in wait_for_save
-        self.kv: dict[str, torch.Tensor] = {}  # uint8 views
+        self.views: dict[str, kv_copy.BlockView] = {}  # the stored layers, by manager block
         self.read_in_parallel = True  # see register_kv_caches
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
@@ -132,21 +120,34 @@ class WorkerSide:
     # ------------------------------------------------------------------ setup
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.kv = {}
-        for layers in self.group_layers:
-            for name in layers:
+        """The layers whose bytes are stored, by manager block (``kv_copy.block_view``: kernel
+        blocks regrouped); a tensor that cannot be regrouped refuses the start
+        (``kv_copy.KVCopyError`` names it and the fix)."""
+        self.views = {}
+        stored = () if self.layout.kind is LayoutKind.UNSUPPORTED else (
+            *self.layout.page_groups, *self.layout.state_groups)
+        for g in stored:
+            for name in self.group_layers[g]:
                 t = kv_caches.get(name)
-                if t is None or not hasattr(t, "stride"):
-                    continue
-                self.kv[name] = t.view(__import__("torch").uint8)
+                if t is not None:
+                    self.views[name] = kv_copy.block_view(name, t, self.num_blocks)
+        ratios = sorted({v.ratio for v in self.views.values()})
+        if ratios != [1] and ratios:
+            logger.info("sparkcache: vLLM splits each KV cache block into %s kernel blocks; "
+                        "pages are stored by manager block", "/".join(map(str, ratios)))
         # A KV cache in host memory means vLLM's CPU backend: the forward's OpenMP threads
         # hold the worker's cores (spinning between parallel regions), so a restore's pages
         # are read and hashed on this thread; on a pool they queue behind those threads
         # (docs/RESULTS.md, "Measurements behind the code").
-        self.read_in_parallel = not any(t.device.type == "cpu" for t in self.kv.values())
+        self.read_in_parallel = not any(v.device.type == "cpu" for v in self.views.values())
+
+    @property
+    def kv(self) -> dict[str, torch.Tensor]:
+        """Each stored layer's bytes by manager block (uint8, dim 0 the block id)."""
+        return {name: view.blocks for name, view in self.views.items()}
 
     def _layers(self, group: int) -> list[str]:
-        return [n for n in self.group_layers[group] if n in self.kv]
+        return [n for n in self.group_layers[group] if n in self.views]
 
     def _page_layers(self) -> list[tuple[int, str]]:
         """(group, layer) of every layer whose blocks make a page, in page byte order."""
@@ -157,11 +158,10 @@ class WorkerSide:
         return [(k, n) for k, g in enumerate(self.layout.state_groups) for n in self._layers(g)]
 
     def _block_bytes(self, name: str) -> int:
-        t = self.kv[name]
-        return t[0].numel()
+        return self.views[name].block_bytes
 
     def _usable(self) -> bool:
-        return (self.store is not None and bool(self.kv)
+        return (self.store is not None and bool(self.views)
                 and self.layout.kind is not LayoutKind.UNSUPPORTED)
 
     # ------------------------------------------------------------------ restore
@@ -240,52 +240,26 @@ class WorkerSide:
             spans.append((page_first, nblk))
         return spans
 
-    def _place_pages(self, plan: LoadPlan, pages: list[tuple[mmap.mmap, tuple[int, int]]]) -> int:
+    def _place_pages(self, plan: LoadPlan, pages: list[tuple[kv_copy.PageBuffer, tuple[int, int]]]) -> int:
         """Copy verified pages (each with its ``(first block, blocks)``) into the plan's
-        destination blocks [start_block, end); returns the bytes placed."""
-        import torch
-
+        destination blocks [start_block, end), one batched copy per page and layer; returns
+        the bytes placed."""
         start, end = plan.start_block, len(plan.keys)
         placed = 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer of a read-only mapping
-            for page, (page_first, nblk) in pages:
-                lo, hi = max(start, page_first), min(end, page_first + nblk)
-                if lo >= hi:
-                    continue
-                src_all = torch.frombuffer(page, dtype=torch.uint8)
-                offset = 0
-                for g in self.layout.page_groups:
-                    runs = _runs(plan.block_ids[g][lo - start:hi - start])
-                    for name in self._layers(g):
-                        dst = self.kv[name]
-                        bb = dst[0].numel()
-                        layer_src = src_all[offset:offset + nblk * bb].view(nblk, *dst.shape[1:])
-                        layer_src = layer_src[lo - page_first:hi - page_first]
-                        offset += nblk * bb
-                        # One slice copy per run of consecutive block ids (a memcpy; indexed
-                        # assignment of uint8 rows is element-wise on CPU: docs/RESULTS.md,
-                        # "Measurements behind the code").
-                        for i, first_id, n in runs:
-                            dst[first_id:first_id + n].copy_(layer_src[i:i + n])
-                        placed += (hi - lo) * bb
+        for page, (page_first, nblk) in pages:
+            lo, hi = max(start, page_first), min(end, page_first + nblk)
+            if lo >= hi:
+                continue
+            ids = {g: plan.block_ids[g][lo - start:hi - start] for g in self.layout.page_groups}
+            placed += kv_copy.place([(self.views[name], ids[g]) for g, name in self._page_layers()],
+                                    page, nblk, skip=lo - page_first)
         return placed
 
-    def _place_state(self, plan: LoadPlan, state: mmap.mmap) -> None:
+    def _place_state(self, plan: LoadPlan, state: kv_copy.PageBuffer) -> None:
         """The recurrent state after block ``end`` goes where vLLM reads it: column end - 1
         of each recurrent group."""
-        import torch
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            src_all = torch.frombuffer(state, dtype=torch.uint8)
-            offset = 0
-            for k, name in self._state_layers():
-                dst = self.kv[name]
-                bb = dst[0].numel()
-                dst[plan.block_ids[self.layout.state_groups[k]][-1]].copy_(
-                    src_all[offset:offset + bb].view(dst.shape[1:]))
-                offset += bb
+        ids = [[plan.block_ids[g][-1]] for g in self.layout.state_groups]
+        kv_copy.place([(self.views[name], ids[k]) for k, name in self._state_layers()], state, 1)
 
     def _quarantine(self, exc: ObjectError, stored: StoredPages) -> None:
         """A writing worker removes an object found corrupt, so the next capture of that
@@ -338,8 +312,6 @@ class WorkerSide:
         if self.slots is None or not self._usable():
             self._settled.append(plan.req_id)
             return
-        import torch
-
         n = len(plan.keys)
         first = plan.reuse_pages * self.bpp
         layers = self._page_layers()
@@ -351,19 +323,16 @@ class WorkerSide:
             self._settled.append(plan.req_id)  # skipped and counted by the slots
             return
         try:
-            gathered = {}
-            for g, name in layers:
-                idx = torch.tensor(plan.block_ids[g], dtype=torch.long, device=self.kv[name].device)
-                gathered[name] = self.kv[name].index_select(0, idx).cpu()
-            pages: list[bytes | None] = [None] * plan.reuse_pages
-            for p in range(plan.reuse_pages, pages_needed(n, self.bpp)):
-                lo, hi = p * self.bpp - first, min((p + 1) * self.bpp, n) - first
-                pages.append(b"".join(gathered[name][lo:hi].contiguous().numpy().tobytes()
-                                      for _, name in layers))
+            counts = [len(plan.block_ids[g]) for g in self.layout.page_groups]
+            if any(c != n - first for c in counts):
+                raise kv_copy.KVCopyError(f"the capture plan names {counts} block ids per group "
+                                          f"for the {n - first} blocks {first}..{n - 1}")
+            pages: list[memoryview | None] = [None] * plan.reuse_pages
+            pages += kv_copy.gather([(self.views[name], plan.block_ids[g]) for g, name in layers], self.bpp)
             state = None
             if state_layers:
-                state = b"".join(self.kv[name][plan.state_block_ids[k]].contiguous().cpu().numpy().tobytes()
-                                 for k, name in state_layers)
+                ids = [[b] for b in plan.state_block_ids]
+                state = kv_copy.gather([(self.views[name], ids[k]) for k, name in state_layers], 1)[0]
         except Exception:
             self.slots.cancel(ticket)
             self._settled.append(plan.req_id)

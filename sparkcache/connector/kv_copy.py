@@ -1,0 +1,218 @@
+"""Every tensor operation of capture and restore, in torch alone (no vLLM import).
+
+**Views.** vLLM 0.32.0 hands ``register_kv_caches`` one tensor per layer: the logical
+``[B, H, N, C]`` view (blocks, heads, the block's tokens, content) of ``KVCacheLayout`` over
+the backing allocation, strided by the physical stride order (LBHNC, LBNHC, LHBNC, BLHNC,
+BLNHC or BHLNC). When the attention backend's kernels take smaller blocks than the KV cache
+manager's, vLLM splits each manager block into ``ratio`` kernel blocks and dim 0 counts
+kernel blocks: manager block ``b`` is kernel blocks ``b * ratio .. b * ratio + ratio - 1``,
+in token order (``create_kv_cache_views``; the block table maps each id the same way).
+``block_view`` regroups as vLLM's ``group_kernel_blocks`` does (dim 0 unflattened into
+``(B, ratio)``) and moves the kernel-block axis beside the token axis: ``[B, H, ratio,
+N / ratio, C]``, a strided view of the same bytes whose dim 0 is the manager block, in
+every stride order. Recurrent (Mamba) layers are never split: ``[B, 1, 1, state bytes]``.
+
+**Page bytes.** A block's bytes in a page are its view's elements in order: the logical
+``[H, N, C]`` array of the whole manager block (heads, then its tokens in order, then the
+content), whatever the stride order and the kernel block size. That is what a cache that is
+not split always gave (``kv[layer][block].contiguous()``), so stored entries keep their
+identity, and an entry is the same bytes on every backend. A page holds, layer after layer,
+each layer's blocks of the page, block after block (``gather``); a recurrent state object is
+such a page of one block per recurrent layer.
+
+**Copies.** A capture gathers each layer's blocks with one ``index_select`` on the KV
+cache's device and copies them into the pages' host buffer (one copy per layer for the full
+pages, one for a short last page). A restore places each page with one ``index_copy_`` per
+layer and one index tensor, for block ids in any order (vLLM hands descending and shuffled
+ids after churn); on an accelerator the page goes over once first. Both run on the widest
+element (up to 16 bytes) that the view's strides and both buffers' alignment allow, since
+indexed copies go element by element (docs/RESULTS.md, "Measurements behind the code");
+the bytes are the same at every width.
+
+The buffers a restore reads are anything with the buffer protocol (``mmap``, ``bytearray``,
+``memoryview``, ``bytes``): read through ``torch.frombuffer``, never a type's own methods.
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# What a restore reads a page from: anything with the buffer protocol.
+PageBuffer = bytes | bytearray | memoryview | mmap.mmap
+# Element types by width in bytes, widest first; copies move whole elements, never convert.
+_BY_WIDTH = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class KVCopyError(ValueError):
+    """A KV cache tensor, block id or page that does not fit; the message names the value
+    and the fix."""
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """One layer's KV cache by manager block (``block_view``)."""
+
+    layer: str
+    blocks: torch.Tensor  # uint8, dim 0 the manager block, the rest in page byte order
+    ratio: int            # kernel blocks per manager block (1: not split)
+    width: int            # the widest element (bytes) the view's strides and address allow
+
+    @property
+    def block_bytes(self) -> int:
+        return self.blocks[0].numel()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def typed(self, width: int) -> torch.Tensor:
+        return self.blocks.view(_BY_WIDTH[width])
+
+
+def _widest(t: torch.Tensor, at_most: int = 16) -> int:
+    """The widest element width (dividing ``at_most``) that ``t`` (uint8) can be viewed as:
+    its address, offset, strides and last dim divisible by it, the last dim contiguous."""
+    for width in (16, 8, 4, 2):
+        if at_most % width or t.data_ptr() % width:
+            continue
+        try:
+            t.view(_BY_WIDTH[width])
+        except RuntimeError:
+            continue
+        return width
+    return 1
+
+
+def block_view(layer: str, tensor: torch.Tensor, num_blocks: int) -> BlockView:
+    """``tensor`` (what vLLM hands ``register_kv_caches`` for ``layer``) as manager blocks.
+    KVCopyError when it cannot be regrouped: dim 0 not a multiple of the KV cache config's
+    ``num_blocks``, or kernel blocks in a tensor that is not vLLM 0.32.0's ``[B, H, N, C]``."""
+    fix = ("Fix: run with --block-size equal to the attention backend's kernel block size (vLLM "
+           "then splits no block), or switch the store off with SPARKCACHE_ENABLED=0")
+    if tensor.dim() < 2 or num_blocks <= 0 or tensor.shape[0] % num_blocks:
+        raise KVCopyError(f"sparkcache: the KV cache of layer {layer!r} has shape "
+                          f"{tuple(tensor.shape)}; dim 0 is not a multiple of the KV cache's "
+                          f"{num_blocks} blocks, so its blocks cannot be found. {fix}")
+    try:
+        u = tensor.view(torch.uint8)
+    except RuntimeError as exc:
+        raise KVCopyError(f"sparkcache: the KV cache of layer {layer!r} (shape "
+                          f"{tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype}) "
+                          f"cannot be read as bytes: {exc}. {fix}") from None
+    ratio = tensor.shape[0] // num_blocks
+    if ratio > 1:
+        if u.dim() != 4:
+            raise KVCopyError(f"sparkcache: the KV cache of layer {layer!r} has {ratio} kernel "
+                              f"blocks per block in shape {tuple(tensor.shape)}, not vLLM "
+                              f"0.32.0's [blocks, heads, tokens, content]: its tokens cannot be "
+                              f"put back in order. {fix}")
+        u = u.unflatten(0, (num_blocks, ratio)).permute(0, 2, 1, 3, 4)
+    return BlockView(layer, u, ratio, _widest(u))
+
+
+def _index(ids: Sequence[int], view: BlockView) -> torch.Tensor:
+    if ids and not (0 <= min(ids) and max(ids) < view.num_blocks):
+        raise KVCopyError(f"sparkcache: block ids {min(ids)}..{max(ids)} outside layer "
+                          f"{view.layer!r}'s {view.num_blocks} blocks")
+    return torch.tensor(list(ids), dtype=torch.long, device=view.device)
+
+
+def _indices(layers: Sequence[tuple[BlockView, Sequence[int]]]) -> list[torch.Tensor]:
+    """One index tensor per layer, built once per list of ids and device (a group's layers
+    share their ids)."""
+    made: dict[tuple[int, torch.device], torch.Tensor] = {}
+    out = []
+    for view, ids in layers:
+        key = (id(ids), view.device)
+        if key not in made:
+            made[key] = _index(ids, view)
+        out.append(made[key])
+    return out
+
+
+def page_bytes(layers: Sequence[tuple[BlockView, Sequence[int]]], blocks: int) -> int:
+    return blocks * sum(view.block_bytes for view, _ in layers)
+
+
+def gather(layers: Sequence[tuple[BlockView, Sequence[int]]], page_blocks: int) -> list[memoryview]:
+    """The pages of blocks ``ids`` of every ``(view, ids)`` (all ``ids`` of one length ``n``):
+    pages of ``page_blocks`` blocks, the last one short when ``n`` is not a multiple; in each,
+    every layer's blocks of that page, layer after layer, block after block. One buffer in
+    host memory under them all; one ``index_select`` per layer."""
+    counts = {len(ids) for _, ids in layers}
+    if len(counts) > 1:
+        raise KVCopyError(f"sparkcache: a capture names {sorted(counts)} blocks in different "
+                          "layers; every layer's page holds the same blocks")
+    n = counts.pop() if counts else 0
+    per_block = page_bytes(layers, 1)
+    if n == 0 or per_block == 0:
+        return []
+    host = bytearray(n * per_block)
+    out = torch.frombuffer(host, dtype=torch.uint8)
+    full, short = divmod(n, page_blocks)
+    before = 0  # bytes of the layers before this one, per block
+    for (view, _), idx in zip(layers, _indices(layers)):
+        bb = view.block_bytes
+        got = view.typed(view.width).index_select(0, idx).view(torch.uint8).reshape(n, bb)
+        if full:  # layer l of full page p starts at p * page + before * page_blocks
+            out.as_strided((full, page_blocks * bb), (page_blocks * per_block, 1),
+                           before * page_blocks).copy_(got[:full * page_blocks].reshape(full, -1))
+        if short:
+            at = full * page_blocks * per_block + before * short
+            out[at:at + short * bb].view(short, bb).copy_(got[full * page_blocks:])
+        before += bb
+    view_all = memoryview(host)
+    sizes = [page_blocks] * full + ([short] if short else [])
+    starts = [p * page_blocks * per_block for p in range(len(sizes))]
+    return [view_all[s:s + k * per_block] for s, k in zip(starts, sizes)]
+
+
+def _source(page: PageBuffer) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer of a read-only buffer: we only read it
+        return torch.frombuffer(page, dtype=torch.uint8)
+
+
+def place(layers: Sequence[tuple[BlockView, Sequence[int]]], page: PageBuffer, page_blocks: int,
+          skip: int = 0) -> int:
+    """Copy blocks ``skip .. skip + len(ids)`` of each layer of ``page`` (a page of
+    ``page_blocks`` blocks, as ``gather`` lays it out) into blocks ``ids`` of that layer's
+    view, ids in any order: one ``index_copy_`` per layer. Returns the bytes placed."""
+    size = memoryview(page).nbytes
+    if size != page_bytes(layers, page_blocks):
+        raise KVCopyError(f"sparkcache: a page of {size} bytes; {page_blocks} blocks of these "
+                          f"{len(layers)} layers are {page_bytes(layers, page_blocks)} bytes")
+    if size == 0:
+        return 0
+    src = _source(page)
+    staged: dict[torch.device, torch.Tensor] = {}
+    offset = placed = 0
+    for (view, ids), idx in zip(layers, _indices(layers)):
+        bb, m = view.block_bytes, len(ids)
+        if skip + m > page_blocks:
+            raise KVCopyError(f"sparkcache: blocks {skip}..{skip + m - 1} of a page of "
+                              f"{page_blocks} blocks")
+        if view.device.type == "cpu":
+            part = src
+        else:  # the whole page goes over once, then each layer is indexed from it
+            part = staged.get(view.device)
+            if part is None:
+                part = staged[view.device] = src.to(view.device)
+        part = part[offset + skip * bb:offset + (skip + m) * bb]
+        offset += page_blocks * bb
+        if m == 0:
+            continue
+        width = _widest(part, view.width)
+        dst = view.typed(width)
+        dst.index_copy_(0, idx, part.view(_BY_WIDTH[width]).view(m, *dst.shape[1:]))
+        placed += m * bb
+    return placed
