@@ -53,16 +53,37 @@ class Identity:
         """The identity a manifest records (decoded JSON: ``__post_init__`` checks each value's
         type); ValueError for one of another sparkcache version (a field missing or unknown):
         its entries are not ours to read."""
+        try:
+            key = tuple(sorted(data.items()))
+            hash(key)
+        except TypeError:
+            key = None  # an unhashable value: __post_init__ refuses it below
+        known = _DECODED.get(key) if key is not None else None
+        if known is not None:
+            return known
         names = {f.name for f in dataclasses.fields(cls)}
         if set(data) != names:
             raise ValueError(f"identity fields {sorted(data)} are not this sparkcache's "
                              f"{sorted(names)} (an entry of another key scheme)")
-        return cls(**{name: data[name] for name in names})
+        identity = cls(**{name: data[name] for name in names})
+        if key is not None:
+            if len(_DECODED) >= 256:  # a store holds few identities; a hostile one many
+                _DECODED.clear()
+            _DECODED[key] = identity
+        return identity
 
     def digest(self) -> str:
-        """A stable 32-hex-char name for this identity (its manifest directory)."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+        """A stable 32-hex-char name for this identity (its manifest directory); computed once
+        (an identity is immutable)."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+            cached = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+            object.__setattr__(self, "_digest", cached)
+        return cached
+
+
+_DECODED: dict[tuple, Identity] = {}  # the identities manifests recorded, by their fields
 
 
 def block_key(block_hash: BlockHash) -> str:

@@ -19,6 +19,7 @@ declares more than the store's cap allows: ``ManifestLimits``) is ``bad``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import itertools
 import os
@@ -31,6 +32,7 @@ from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is
     is_identity_digest, occupied
 from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
 from .reasons import Reason
+from .snapshot import Snapshot, read as read_snapshot
 
 _RECENCY = " (last access)"  # the suffix of an unknown recency's key in ``unknown``
 # A manifest may declare at most this many blocks (4M tokens at 16 per block; the in-memory
@@ -80,6 +82,7 @@ class IndexedEntry:
     unique_pages: tuple = ()  # distinct PageRefs (pages and state), computed once
     unit_key: tuple = ()  # the shards of one entry that tensor-parallel ranks publish share it
     lru_seq: int = 0  # its current item in the recency heap
+    checksum: str = ""  # its manifest's header checksum (what a snapshot records)
 
     def __post_init__(self) -> None:
         if not self.unique_pages:
@@ -114,7 +117,8 @@ class EntryIndex:
         self.journal = Journal(layout)
         self.entries: dict[str, IndexedEntry] = {}
         self.bad: dict[str, BadManifest] = {}
-        # identity -> block key -> (its position, the entry holding it, or a set of several)
+        # identity -> block key -> (its position, the entry holding it, or a set of several), for
+        # the keys at the positions ``_indexed`` names (the first, then every STRIDE-th)
         self.blocks: dict[str, dict[str, tuple[int, str | set[str]]]] = {}
         self.ends: dict[str, dict[str, set[str]]] = {}  # identity -> last block key -> entries
         self.units: dict[tuple, set[str]] = {}  # unit key -> its shards' entry ids
@@ -142,7 +146,12 @@ class EntryIndex:
         self._seq = itertools.count(1)
         self._recency_cursor: list[str] = []  # entries whose last access the next sweeps re-read
         self._recency_changed: set[str] = set()  # last accesses read from disk since taken
-        self._rank0: dict[Identity, str] = {}
+        self._rank0: dict[str, str] = {}  # identity digest -> its digest at tp_rank 0
+        # During a full listing: the object shards' directories, opened without following a
+        # link, so that counting each object's bytes is one call (``occupied``), and the
+        # store's snapshot, if it has one (``snapshot.py``).
+        self._shard_fds: dict[str, int] | None = None
+        self._snapshot: Snapshot | None = None
 
     @property
     def complete(self) -> bool:
@@ -175,45 +184,66 @@ class EntryIndex:
         """Bytes the object ``digest`` occupies on disk (allocated blocks, at most its size
         rounded up to whole blocks): 0 when it is missing or not a regular file. What a
         manifest declares is never counted (a bogus 10 TB page costs nothing)."""
+        if self._snapshot is not None:
+            known = self._snapshot.sizes.get(digest)
+            if known:
+                return known
         try:
-            return occupied(self.layout.lstat(self.layout.object_path(digest)), self.alloc_unit)
+            if self._shard_fds is None:
+                return occupied(self.layout.lstat(self.layout.object_path(digest)), self.alloc_unit)
+            shard = self._shard_fds.get(digest[:2])
+            if shard is None:
+                with self.layout.open_dir(os.path.dirname(self.layout.object_path(digest))) as d:
+                    shard = self._shard_fds[digest[:2]] = os.dup(d.fd)
+            return occupied(os.stat(digest[2:], dir_fd=shard, follow_symlinks=False), self.alloc_unit)
         except (OSError, UnsafePathError):
             return 0
 
     # ------------------------------------------------------------------ mutation
 
     def add(self, entry: IndexedEntry) -> None:
-        if entry.entry_id in self.entries:
-            self.remove(entry.entry_id)
-        self.bad.pop(entry.entry_id, None)
         m = entry.manifest
         eid = m.entry_id
+        if eid in self.entries:
+            self.remove(eid)
+        self.bad.pop(eid, None)
         self.entries[eid] = entry
         self.manifests_bytes += allocated(entry.manifest_bytes, self.alloc_unit)
+        refcount, sizes = self.refcount, self.object_size
         for page in entry.unique_pages:
-            count = self.refcount.get(page.digest, 0)
-            if count == 0 or not self.object_size.get(page.digest):
+            digest = page.digest
+            count = refcount.get(digest, 0)
+            if count == 0 or not sizes.get(digest):
                 # first reference, or one that was missing when an earlier entry named it
-                size = self.occupied(page.digest)
-                self.objects_bytes += size - self.object_size.get(page.digest, 0)
-                self.object_size[page.digest] = size
-            self.refcount[page.digest] = count + 1
+                size = self.occupied(digest)
+                self.objects_bytes += size - sizes.get(digest, 0)
+                sizes[digest] = size
+            refcount[digest] = count + 1
         idd = m.identity_digest
-        self.ends.setdefault(idd, {}).setdefault(m.block_keys[-1], set()).add(eid)
-        by_key = self.blocks.setdefault(idd, {})
-        for pos, key in enumerate(m.block_keys):
-            slot = by_key.get(key)
+        keys = m.block_keys
+        self.ends.setdefault(idd, {}).setdefault(keys[-1], set()).add(eid)
+        by_key = self.blocks.get(idd)
+        if by_key is None:
+            by_key = self.blocks[idd] = {}
+        get = by_key.get
+        for pos in _indexed(len(keys)):
+            key = keys[pos]
+            slot = get(key)
             if slot is None:
                 by_key[key] = (pos, eid)
             elif slot[0] == pos:
                 holders = slot[1]
-                if isinstance(holders, str):
+                if holders.__class__ is str:
                     if holders != eid:
                         by_key[key] = (pos, {holders, eid})
                 else:
                     holders.add(eid)
-        entry.unit_key = self._unit_key(m)
-        self.units.setdefault(entry.unit_key, set()).add(eid)
+        unit_key = entry.unit_key = self._unit_key(m)
+        unit = self.units.get(unit_key)
+        if unit is None:
+            self.units[unit_key] = {eid}
+        else:
+            unit.add(eid)
         self.set_access(entry, entry.last_access)
         self._recency_changed.add(eid)
 
@@ -241,7 +271,8 @@ class EntryIndex:
             if not ending:
                 del ends[m.block_keys[-1]]
         by_key = self.blocks.get(idd, {})
-        for key in m.block_keys:
+        for pos in _indexed(len(m.block_keys)):
+            key = m.block_keys[pos]
             slot = by_key.get(key)
             if slot is None:
                 continue
@@ -264,11 +295,11 @@ class EntryIndex:
         return freed
 
     def _unit_key(self, m: Manifest) -> tuple:
-        identity = m.identity
-        rank0 = self._rank0.get(identity)
+        idd = m.identity_digest  # one digest per identity (cached), cheaper to hash than it
+        rank0 = self._rank0.get(idd)
         if rank0 is None:
-            rank0 = self._rank0[identity] = dataclasses.replace(identity, tp_rank=0).digest()
-        return rank0, m.block_keys[-1], m.block_count
+            rank0 = self._rank0[idd] = dataclasses.replace(m.identity, tp_rank=0).digest()
+        return rank0, m.block_keys[-1], len(m.block_keys)
 
     # ------------------------------------------------------------------ recency
 
@@ -365,14 +396,15 @@ class EntryIndex:
         """The entry holding the longest prefix of ``keys`` and that prefix's length in blocks.
         ``with_state``: only an entry that ends exactly there and holds the recurrent state
         at its end (a hybrid model resumes only where a state was taken). Block keys are
-        chained (a key names its whole prefix), so the stored depth is found by bisection:
-        O(log n) lookups for a request of n blocks."""
+        chained (a key names its whole prefix): the deepest indexed key of ``keys`` that is
+        stored is found by bisection, then the entries holding it are compared key by key
+        for at most ``STRIDE`` more blocks."""
         by_key = self.blocks.get(identity_digest)
         if not by_key or not keys:
             return None, 0
-        depth = _stored_depth(by_key, keys)
         wanted = tuple(keys)
         if with_state:
+            depth = self._depth(by_key, wanted)[1]
             ends = self.ends.get(identity_digest, {})
             for k in range(depth, 0, -1):
                 for entry in self._by_recency(ends.get(keys[k - 1], ())):
@@ -380,17 +412,31 @@ class EntryIndex:
                     if m.state is not None and m.block_count == k and m.block_keys == wanted[:k]:
                         return entry, k
             return None, 0
-        for k in itertools.chain((depth,), range(depth - 1, 0, -1)):
-            slot = by_key.get(keys[k - 1]) if k > 0 else None
-            if slot is None or slot[0] != k - 1:
-                continue
-            holders = slot[1]
-            ids = (holders,) if isinstance(holders, str) else holders
-            for entry in sorted((self.entries[e] for e in ids if e in self.entries),
-                                key=lambda e: (e.manifest.block_count, e.last_access), reverse=True):
-                if entry.manifest.block_keys[:k] == wanted[:k]:
-                    return entry, k
-        return None, 0
+        best, depth = self._depth(by_key, wanted)
+        return best, depth
+
+    def _depth(self, by_key: dict, wanted: tuple) -> tuple[IndexedEntry | None, int]:
+        """The entry holding the longest prefix of ``wanted`` and its length (the longest and
+        then most recently used entry among equals)."""
+        pos = _deepest_indexed(by_key, wanted)
+        if pos < 0:
+            return None, 0
+        holders = by_key[wanted[pos]][1]
+        ids = (holders,) if holders.__class__ is str else holders
+        best, depth = None, 0
+        limit = min(len(wanted), pos + 1 + STRIDE)
+        for entry in sorted((self.entries[e] for e in ids if e in self.entries),
+                            key=lambda e: (e.manifest.block_count, e.last_access), reverse=True):
+            stored = entry.manifest.block_keys
+            if stored[: pos + 1] != wanted[: pos + 1]:
+                continue  # another prefix reached the same key (keys that are not chained)
+            k = pos + 1
+            end = min(limit, len(stored))
+            while k < end and stored[k] == wanted[k]:
+                k += 1
+            if k > depth:
+                best, depth = entry, k
+        return best, depth
 
     def _by_recency(self, ids) -> list[IndexedEntry]:
         return sorted((self.entries[e] for e in ids if e in self.entries),
@@ -486,8 +532,20 @@ class EntryIndex:
                 self.remove(entry_id)
                 self.bad.pop(entry_id, None)
             self._forget_unknown_under(self.layout.identity_dir(gone))
-        for idd in dirs:
-            self._list_dir(idd)
+        self._shard_fds = {}
+        self._snapshot = read_snapshot(self.layout)
+        collecting = gc.isenabled()
+        gc.disable()  # the view's many small objects would trigger collections that find nothing
+        try:
+            for idd in dirs:
+                self._list_dir(idd)
+        finally:
+            if collecting:
+                gc.enable()
+            for fd in self._shard_fds.values():
+                os.close(fd)
+            self._shard_fds = None
+            self._snapshot = None
         self._listed = not any(not p.endswith((MANIFEST_SUFFIX, _RECENCY)) for p in self.unknown)
 
     def _list_dir(self, idd: str) -> None:
@@ -507,6 +565,7 @@ class EntryIndex:
 
     def _read_listing(self, idd: str, path: str, listing: list[tuple[str, int]], dir_fd: int) -> None:
         mark = self._marks.setdefault(idd, _DirMark())
+        prefix = path + os.sep
         seen: dict[str, int] = {}
         for name, inode in listing:
             if not name.endswith(MANIFEST_SUFFIX):
@@ -526,7 +585,8 @@ class EntryIndex:
             bad = self.bad.get(entry_id)
             if bad is not None and bad.inode == inode:
                 continue
-            self.load(idd, entry_id, dir_fd=dir_fd)
+            if self._snapshot is None or not self._load_from_snapshot(idd, entry_id, dir_fd, prefix):
+                self.load(idd, entry_id, dir_fd=dir_fd)
         mark.names = {e: i for e, i in seen.items() if e in self.entries or e in self.bad
                       or self.layout.manifest_path(idd, e) in self.unknown}
 
@@ -575,17 +635,47 @@ class EntryIndex:
         if refusal is not None:
             self._mark_bad(entry_id, idd, path, Reason.CORRUPT, refusal, st.st_ino)
             return None
-        entry = IndexedEntry(manifest, path, st.st_ino, len(data), st.st_mtime)
+        entry = IndexedEntry(manifest, path, st.st_ino, len(data), st.st_mtime,
+                             checksum=data[len(b"SPKM1 "):len(b"SPKM1 ") + 64].decode("ascii", "replace"))
         self.add(entry)
         self._marks.setdefault(idd, _DirMark()).names[entry_id] = st.st_ino
         return entry
+
+    def _load_from_snapshot(self, idd: str, entry_id: str, dir_fd: int, prefix: str) -> bool:
+        """Take the entry from the snapshot when its manifest (``prefix`` + its name, in the
+        directory open at ``dir_fd``) is a regular file whose header carries the checksum the
+        snapshot recorded (one short read instead of reading and decoding it); False: read
+        it (``load`` says what it is)."""
+        name = entry_id + MANIFEST_SUFFIX
+        try:
+            fd = os.open(name, _MANIFEST_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+            header = os.pread(fd, 71, 0)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        row = self._snapshot.row(entry_id, header, idd, st.st_size)
+        if row is None or (self.limits is not None and self.limits.refusal(row.manifest) is not None):
+            return False
+        path = prefix + name
+        if self.unknown:
+            self.unknown.pop(path, None)
+        self.add(IndexedEntry(row.manifest, path, st.st_ino, st.st_size, st.st_mtime,
+                              checksum=row.checksum))
+        self._marks[idd].names[entry_id] = st.st_ino
+        return True
 
     def _open_manifest(self, path: str, entry_id: str, dir_fd: int | None) -> int:
         if dir_fd is None:
             return self.layout.open_file(path, os.O_RDONLY)
         try:  # relative to the identity directory already open: one call, never through a link
-            fd = os.open(entry_id + MANIFEST_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(entry_id + MANIFEST_SUFFIX, _MANIFEST_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno in (40, 21, 6):  # ELOOP, EISDIR, ENXIO: not a regular file
                 raise UnsafePathError(f"{path}: not a regular file; the store opens only regular "
@@ -612,27 +702,43 @@ class EntryIndex:
         self._marks.setdefault(idd, _DirMark()).names[entry_id] = inode
 
 
-def _stored_depth(by_key: dict, keys: list[str]) -> int:
-    """The largest k such that ``keys[k-1]`` is stored at position k-1 (keys are chained, so
-    every shorter prefix is stored too): bisection."""
-    def stored(k: int) -> bool:
-        slot = by_key.get(keys[k - 1])
-        return slot is not None and slot[0] == k - 1
+STRIDE = 16  # besides its first, every STRIDE-th block key of an entry is indexed
+_MANIFEST_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
-    if stored(len(keys)):
-        return len(keys)
-    lo, hi = 0, len(keys)  # stored(lo) holds (or lo == 0), stored(hi) does not
-    while hi - lo > 1:
+
+def _indexed(n: int) -> range | list[int]:
+    """The positions of an entry's ``n`` keys that the block index holds."""
+    return [0, *range(STRIDE - 1, n, STRIDE)] if n > STRIDE - 1 else [0]
+
+
+def _deepest_indexed(by_key: dict, wanted: tuple) -> int:
+    """The largest indexed position p (0, STRIDE-1, 2*STRIDE-1, ...) below ``len(wanted)``
+    whose key ``wanted[p]`` is stored at position p, or -1: bisection (keys are chained, so
+    every shorter prefix of a stored one is stored too)."""
+    def stored(p: int) -> bool:
+        slot = by_key.get(wanted[p])
+        return slot is not None and slot[0] == p
+
+    if not stored(0):
+        return -1
+    at = lambda i: i * STRIDE - 1 if i else 0  # noqa: E731  (stride i's position)
+    lo, hi = 0, len(wanted) // STRIDE  # stride lo is stored; stride hi + 1 would be past the end
+    if hi and stored(at(hi)):
+        return at(hi)
+    while hi - lo > 1:  # stride hi is not stored
         mid = (lo + hi) // 2
-        if stored(mid):
+        if stored(at(mid)):
             lo = mid
         else:
             hi = mid
-    return lo
+    return at(lo)
 
 
 def _read_all(fd: int, size: int) -> bytes:
-    chunks, got = [], 0
+    first = os.read(fd, size + 1)  # one read past the size sees a file that grew meanwhile
+    if len(first) >= size:
+        return first
+    chunks, got = [first], len(first)
     while got <= size:  # one read past the size sees a file that grew meanwhile
         chunk = os.read(fd, size + 1 - got)
         if not chunk:

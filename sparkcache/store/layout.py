@@ -125,6 +125,10 @@ class StoreLayout:
         return os.path.join(self.journal_dir, "current")
 
     @property
+    def snapshot_path(self) -> str:
+        return os.path.join(self.journal_dir, "snapshot")
+
+    @property
     def gc_lock_path(self) -> str:
         return os.path.join(self.locks_dir, "gc.lock")
 

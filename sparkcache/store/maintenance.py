@@ -46,6 +46,7 @@ from ..settings import check_number
 from .layout import UnsafePathError
 from .locks import LockTimeout
 from .pacing import PassClock, runqueue_wait_s
+from .snapshot import SnapshotWriter
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -395,6 +396,7 @@ class MaintenanceThread:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.snapshots = SnapshotWriter(store.layout)  # a large store's snapshot, now and then
 
     def start(self) -> "MaintenanceThread":
         if self._thread is not None:
@@ -412,6 +414,7 @@ class MaintenanceThread:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.snapshots.stop()
 
     def _run(self) -> None:
         cpus.run_off_model_cpus()  # background work: not on the model's cores (cpus.py)
@@ -428,6 +431,7 @@ class MaintenanceThread:
                 if gap > 0 and self._stop.wait(gap):
                     break
                 sweep_due = time.monotonic() - last_sweep >= self.sweep_every_s
+                self.snapshots.maybe_start(self.store.capacity().entries)
                 if not (sweep_due or pass_due(self.store)):
                     self._wake.wait(self.interval_s)
                     self._wake.clear()

@@ -119,7 +119,7 @@ def decode(data: bytes, *, expected_entry_id: str | None = None,
     if _nesting(body) > _MAX_NESTING:
         raise ManifestError(Reason.CORRUPT, f"JSON nested deeper than {_MAX_NESTING} levels")
     try:
-        raw = json.loads(body, parse_constant=_refuse_constant)
+        raw = _DECODER.decode(body.decode())
         if not isinstance(raw, dict):
             raise ManifestError(Reason.CORRUPT, f"body is a JSON {type(raw).__name__}, not an object")
         return _from_fields(raw, expected_entry_id, expected_identity_digest)
@@ -132,6 +132,9 @@ def decode(data: bytes, *, expected_entry_id: str | None = None,
 
 def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def _nesting(body: bytes) -> int:
@@ -162,7 +165,7 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
         raise ManifestError(Reason.CORRUPT, "identity must be a JSON object")
     identity = Identity.from_dict(raw["identity"])
     keys = raw.get("block_keys")
-    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+    if type(keys) is not list or not keys or set(map(type, keys)) != {str} or "" in keys:
         raise ManifestError(Reason.CORRUPT, "block_keys must be a non-empty list of strings")
     keys = tuple(keys)
     bpp = raw.get("blocks_per_page")
