@@ -10,16 +10,21 @@ Per size: a store of N entries is written with the store's own formats (manifest
 per-publication fsyncs (publication's own speed is ``bench.store_throughput``'s). Then, each in
 its own process:
 
-- open: ``PageStore(root)`` as a writer (recovery and the listing of every manifest) and as a
-  reader (``read_only``), the seconds and the process's peak resident memory after it;
+- open without a snapshot: ``PageStore(root, read_only=True)``, every manifest read and decoded;
+- snapshot: the process a writer's maintenance starts for a store of 1,000 entries or more
+  (``sparkcache.store.snapshot``), seconds;
+- open: ``PageStore(root)`` as a writer (recovery and the listing of every manifest, headers
+  checked against the snapshot) and as a reader (``read_only``), the seconds and the process's
+  peak resident memory after it;
 - status: ``python -m sparkcache status --root R``, wall seconds;
 - verify: ``python -m sparkcache verify --root R``, wall seconds, beside a raw read of the same
   files (every object and manifest read whole, no hashing) in the same page-cache state;
 - lookups: ``PageStore.lookup(identity, keys, with_state=False)`` as the scheduler half calls it
   (no lease, no verification; the hit's access recorded), on this process's thread, while one
   process publishes new entries (``PageStore.publish``, as a worker's publisher thread does) and
-  another runs maintenance (``MaintenanceThread``, the store at its cap so that passes evict),
-  both at niceness 10 as a worker's background threads run.
+  another runs maintenance (``MaintenanceThread`` with the settings' default budget and
+  interval, the store at its cap so that passes evict), both at niceness 10 as a worker's
+  background threads run.
   Keys are drawn at random from the stored entries (a hit) and from never-stored ones (a miss),
   nine hits to one miss. p50, p99 and max in microseconds. Once the store is open the heap is
   frozen out of the garbage collector, as vLLM's engine core does after building its scheduler.
@@ -110,8 +115,11 @@ role, root, cap, blocks, page_bytes = sys.argv[2], sys.argv[3], int(sys.argv[4])
 os.nice(10)  # background work, as a worker's publisher and maintenance threads run (cpus.py)
 store = PageStore(root, max_bytes=cap, low_watermark_bytes=cap * 95 // 100, page_blocks=blocks)
 print("ready", flush=True)
-if role == "maintenance":
-    thread = MaintenanceThread(store, PassBudget(), 0.1).start()
+if role == "maintenance":  # as a writing worker runs it, with the settings' defaults
+    from sparkcache.settings import load_settings
+    settings = load_settings(env={"SPARKCACHE_ROOT": root})
+    thread = MaintenanceThread(store, PassBudget.from_settings(settings),
+                               settings.maintenance_interval_seconds).start()
     sys.stdin.read()
     thread.stop()
 else:
@@ -214,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         built_s = time.perf_counter() - t
         cap = int(total * 0.98)  # just over: every pass evicts a little while the publisher adds
         row = {"entries": n, "bytes": total, "build_s": built_s}
+        done = _python("-c", _OPEN, str(REPO), str(root), "reader", str(cap), str(args.blocks))
+        assert done.returncode == 0, done.stderr
+        row["open_reader_without_snapshot"] = json.loads(done.stdout)
+        row["snapshot_s"], done = _timed("-c", "import sys; from sparkcache.store.snapshot import main; "
+                                         "sys.exit(main())", str(root))
+        assert done.returncode == 0, done.stderr
         for role in ("writer", "reader"):
             done = _python("-c", _OPEN, str(REPO), str(root), role, str(cap), str(args.blocks))
             assert done.returncode == 0, done.stderr
@@ -260,6 +274,7 @@ def _plot(results: dict, path: Path) -> None:
     a.legend()
     for key, label in (("open_writer", "open (writer)"), ("open_reader", "open (reader)")):
         b.plot(n, [r[key]["seconds"] for r in rows], "o-", label=label)
+    b.plot(n, [r["open_reader_without_snapshot"]["seconds"] for r in rows], "o:", label="open without a snapshot")
     b.plot(n, [r["status_s"] for r in rows], "o-", label="sparkcache status")
     b.plot(n, [r["verify_s"] for r in rows], "o-", label="sparkcache verify")
     b.plot(n, [r["raw_read_s"] for r in rows], "o--", label="raw read of the same files")

@@ -35,9 +35,10 @@ class Catalog:
 
     # ------------------------------------------------------------------ sync with disk
 
-    def refresh(self, *, full: bool = False, complete: bool = False) -> None:
+    def refresh(self, *, full: bool = False, complete: bool = False,
+                budget_s: float | None = None) -> None:
         """Bring the view up to date with the manifests on disk (``EntryIndex.refresh``)."""
-        self.index.refresh(full=full, complete=complete)
+        self.index.refresh(full=full, complete=complete, budget_s=budget_s)
 
     def refresh_recency(self, now: float | None = None) -> None:
         """Re-read some last-access times from disk (``EntryIndex.refresh_recency``). With
@@ -47,8 +48,10 @@ class Catalog:
         self.index.refresh_recency()
         if now is None:
             return
+        ahead = now + FUTURE_SLACK_S
         for entry in self.index.take_recency_changes():
-            self._future[entry.entry_id] = entry
+            if entry.last_access > ahead:
+                self._future[entry.entry_id] = entry
         restamp = _RESTAMP
         for entry_id, entry in list(self._future.items()):
             if self.index.entries.get(entry_id) is not entry or entry.last_access <= now + FUTURE_SLACK_S:
@@ -121,6 +124,7 @@ class Catalog:
         """This process's own access, in its view (``when`` from ``touch``)."""
         if when is not None and self.index.entries.get(entry.entry_id) is entry:
             self.index.set_access(entry, when)
+            self.index.touched.add(entry.entry_id)
 
     def oldest(self, n: int) -> list[IndexedEntry]:
         """Up to ``n`` entries, least recently used first."""

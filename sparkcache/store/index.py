@@ -18,12 +18,14 @@ declares more than the store's cap allows: ``ManifestLimits``) is ``bad``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import heapq
 import itertools
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 
 from .identity import Identity
@@ -39,7 +41,7 @@ _RECENCY = " (last access)"  # the suffix of an unknown recency's key in ``unkno
 # index costs a few hundred bytes per block key, in every process that opens the store).
 MAX_ENTRY_KEYS = 1 << 18
 _RETRIES_PER_LOOKUP = 4  # unreadable manifests a lookup's refresh tries again
-RECENCY_SWEEP = 1024  # last accesses a complete refresh re-reads from disk, round-robin
+RECENCY_SWEEP = 256  # last accesses a complete refresh re-reads from disk, round-robin
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ class EntryIndex:
         self._seq = itertools.count(1)
         self._recency_cursor: list[str] = []  # entries whose last access the next sweeps re-read
         self._recency_changed: set[str] = set()  # last accesses read from disk since taken
+        self._pending: collections.deque[Record] = collections.deque()  # read, not applied yet
+        self.touched: set[str] = set()  # entries this process touched since the last records
         self._rank0: dict[str, str] = {}  # identity digest -> its digest at tp_rank 0
         # During a full listing: the object shards' directories, opened without following a
         # link, so that counting each object's bytes is one call (``occupied``), and the
@@ -157,7 +161,7 @@ class EntryIndex:
     def complete(self) -> bool:
         """Whether the view knows every manifest: a full listing and every journal record since
         were read, and nothing is unknown. Only then may an object's deletion rest on it."""
-        return self._listed and not self.unknown
+        return self._listed and not self.unknown and not self._pending
 
     # ------------------------------------------------------------------ accounting
 
@@ -444,12 +448,15 @@ class EntryIndex:
 
     # ------------------------------------------------------------------ sync with disk
 
-    def refresh(self, *, full: bool = False, complete: bool = False) -> None:
-        """Bring the view up to date. Default (a lookup's): the journal's new records, and
-        another try of a few manifests that could not be read. ``complete`` (a maintenance
-        pass, before it deletes anything): list everything again when a record asked for it,
-        a listing failed or the journal could not be read, and try every unknown manifest
-        again. ``full``: list every manifest (opening a store)."""
+    def refresh(self, *, full: bool = False, complete: bool = False,
+                budget_s: float | None = None) -> None:
+        """Bring the view up to date. Default: the journal's new records, and another try of
+        a few manifests that could not be read; with ``budget_s`` (a lookup's, on vLLM's
+        scheduler thread) only the records that fit in that time, at least one (the rest wait
+        for the next refresh: an eviction's batch of records is spread over a few lookups).
+        ``complete`` (a maintenance pass, before it deletes anything): list everything again
+        when a record asked for it, a listing failed or the journal could not be read, and
+        try every unknown manifest again. ``full``: list every manifest (opening a store)."""
         if full or not self._ever_listed:
             self._list_all()
         else:
@@ -460,8 +467,11 @@ class EntryIndex:
                 self.unknown[self.journal.path] = f"cannot read the journal (retried): {exc}"
                 self._listed = False  # what it said is lost: list again once it reads
                 records = []
-            for record in records:
-                self._apply(record)
+            self._pending.extend(records)
+            self.touched.clear()  # our own accesses' records are among those read by now
+            deadline = None if budget_s is None or complete else time.perf_counter() + budget_s
+            while self._pending and (deadline is None or time.perf_counter() < deadline):
+                self._apply(self._pending.popleft())
             if complete and not self._listed:
                 self._list_all()
         retry = [p for p in self.unknown if p.endswith(MANIFEST_SUFFIX)]
@@ -481,8 +491,8 @@ class EntryIndex:
             self.forget_name(record.identity_digest, record.entry_id)
         elif record.op is Op.ACCESSED:
             entry = self.entries.get(record.entry_id)
-            if entry is not None:
-                self._read_access(entry)
+            if entry is not None and record.entry_id not in self.touched:
+                self._read_access(entry)  # another process's access: its time is the mtime
 
     def rescan_wanted(self) -> None:
         """The next complete refresh lists every manifest again."""
@@ -502,6 +512,7 @@ class EntryIndex:
         the journal holds from here on is read by the next refreshes."""
         self._ever_listed = True
         self._listed = False
+        self._pending.clear()  # older than the listing, which says what they said
         try:
             self.journal.end()
             self.unknown.pop(self.journal.path, None)

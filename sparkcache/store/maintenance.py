@@ -127,6 +127,7 @@ def run_pass(store: PageStore, budget: PassBudget, *, sweep_shards: int = 16,
     clock and the filesystem's, never the wall clock, which only dates the report)."""
     clocks = store.clocks if clocks is None else clocks
     started_wall = clocks.wall()
+    store.accesses.flush(timeout=1.0)  # this process's recent hits count as used before it plans
     collector = store.collector
     clock = PassClock(collector.unit_costs, budget.max_ms, now=timer)
     cpu0 = time.thread_time()

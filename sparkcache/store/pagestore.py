@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 import time
 from typing import Sequence
 
 from .buffers import byte_view
+from .accesses import AccessRecorder
 from .catalog import Catalog
 from .clocks import SYSTEM_CLOCK, Clock
 from .collector import Collector
@@ -39,6 +41,9 @@ from .staging import Staging, read_live_intents
 from .verify import VerifyReport, verify_store
 from .writers import claim_writer
 from ..settings import Settings, check_number, format_bytes
+
+
+LOOKUP_REFRESH_S = 0.0002  # the time a lookup spends on other processes' changes (at least one)
 
 
 class PageStore:
@@ -80,6 +85,9 @@ class PageStore:
         self.catalog = Catalog(self.layout, unit, ManifestLimits.for_store(max_bytes, unit))
         self._mutex = threading.RLock()
         self.collector = Collector(self.layout, self.catalog, self.objects, self._mutex)
+        # (a weak reference: the store is not kept alive, with its descriptors, by its own thread)
+        self.accesses = AccessRecorder(self.layout, self.catalog.index.journal,
+                                       weakref.WeakMethod(self._accessed))
         self.last_recovery: RecoveryReport | None = None
         if not read_only:
             try:
@@ -95,6 +103,7 @@ class PageStore:
         """Leave the store's writers (a writer holds its claim until then, until it is
         collected, or until the process ends) and close the journal's read descriptor (a
         lookup after this opens it again)."""
+        self.accesses.flush()
         if self._claim is not None:
             self._claim.close()
         self.catalog.index.journal.close()
@@ -284,7 +293,7 @@ class PageStore:
     def _lookup(self, idd: str, keys: list[str], lease: bool, verify: bool,
                 with_state: bool) -> LookupResult:
         with self._mutex:
-            self.catalog.refresh()
+            self.catalog.refresh(budget_s=LOOKUP_REFRESH_S)
             entry, depth = self.catalog.longest_match(idd, keys, with_state=with_state)
             refused = self.catalog.refused_deeper(idd, keys, depth)
         if entry is None:
@@ -309,9 +318,7 @@ class PageStore:
             if lease_id is None:
                 return self._miss(Reason.ABSENT, entry.entry_id, "entry was evicted during the lookup")
         if not self.read_only:
-            when = self.catalog.touch(entry)
-            with self._mutex:
-                self.catalog.accessed(entry, when)
+            self.accesses.record(entry)  # stamped off this thread (accesses.py)
         return LookupResult(depth, entry.entry_id, Reason.HIT, "", handle, lease_id)
 
     def read(self, handle: EntryHandle, n_blocks: int | None = None) -> ReadResult:
@@ -369,6 +376,11 @@ class PageStore:
                     self.catalog.drop_vanished(entry)
                 return None
         return lease_id
+
+    def _accessed(self, stamped: list) -> None:
+        with self._mutex:
+            for entry, when in stamped:
+                self.catalog.accessed(entry, when)
 
     def release(self, lease_id: str | None) -> None:
         if lease_id:

@@ -88,6 +88,8 @@ def test_a_hit_refreshes_every_rank_shard(tmp_path):
     for path in paths:
         os.utime(path, (1_000_000_000, 1_000_000_000))
     assert _offered(s, prompt) == 192
+    for store in side.stores:
+        store.accesses.flush()  # hits are stamped off the scheduler's thread
     assert all(os.stat(path).st_mtime > 1_000_000_000 for path in paths)
 
 

@@ -154,6 +154,7 @@ class ClockSteps(RuleBasedStateMachine):
         self.publish(reader, conv, wall)
         with self._as_wall(wall):
             result = self.stores[reader].lookup(IDENT, conv_keys(conv, 8), lease=True)
+            self.stores[reader].accesses.flush()  # the hit is stamped off the lookup's thread
         assert result.hit and result.lease_id, result
         self.access[conv] = self.t
         self.leases.append(_Lease(result.lease_id, conv, self.host[reader], self.t))

@@ -53,7 +53,9 @@ def _pins(store) -> list[str]:
 
 
 def _hit(store, conv) -> bool:
-    return store.lookup(IDENT, conv_keys(conv, 16)).hit
+    found = store.lookup(IDENT, conv_keys(conv, 16)).hit
+    store.accesses.flush()  # the hit's stamp, made off the lookup's thread (accesses.py)
+    return found
 
 
 def _set_wall(monkeypatch, offset: float) -> None:
