@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from .identity import Identity
 from .journal import Journal, JournalError, Op, Record
-from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, is_entry_id, \
-    is_identity_digest, occupied
+from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, close_quietly, \
+    is_entry_id, is_identity_digest, occupied
 from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
 from .reasons import Reason
 from .snapshot import Snapshot, read as read_snapshot
@@ -554,7 +554,7 @@ class EntryIndex:
             if collecting:
                 gc.enable()
             for fd in self._shard_fds.values():
-                os.close(fd)
+                close_quietly(fd)
             self._shard_fds = None
             self._snapshot = None
         self._listed = not any(not p.endswith((MANIFEST_SUFFIX, _RECENCY)) for p in self.unknown)
@@ -635,7 +635,7 @@ class EntryIndex:
             self._mark_unknown(idd, entry_id, path, f"cannot read: {exc}")
             return None
         finally:
-            os.close(fd)
+            close_quietly(fd)  # a read-only descriptor's close says nothing of what was read
         self.unknown.pop(path, None)
         try:
             manifest = decode(data, expected_entry_id=entry_id, expected_identity_digest=idd)
@@ -670,7 +670,7 @@ class EntryIndex:
         except OSError:
             return False
         finally:
-            os.close(fd)
+            close_quietly(fd)  # a read-only descriptor's close says nothing of what was read
         row = self._snapshot.row(entry_id, header, idd, st.st_size)
         if row is None or (self.limits is not None and self.limits.refusal(row.manifest) is not None):
             return False
@@ -693,7 +693,7 @@ class EntryIndex:
                                       "files, never through a link") from None
             raise
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
+            close_quietly(fd)
             raise UnsafePathError(f"{path}: not a regular file; the store opens only regular files")
         return fd
 

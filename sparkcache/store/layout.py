@@ -288,6 +288,15 @@ _KIND_WORDS = {errno.ELOOP: "is a symbolic link", errno.EISDIR: "is a directory"
                errno.ENXIO: "is a FIFO or socket with no peer"}
 
 
+def close_quietly(fd: int) -> None:
+    """Close a descriptor whose close can fail (a FUSE or network filesystem's flush: EIO)
+    when that failure says nothing the caller needs: a read-only one, or one being dropped."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def file_kind(mode: int) -> str:
     """A file's kind in words, for messages and ``verify`` ("file" for a regular one)."""
     for test, word in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from .identity import Identity
-from .layout import StoreLayout, UnsafePathError, is_object_digest
+from .layout import StoreLayout, UnsafePathError, close_quietly, is_object_digest
 from .manifests import MAGIC as MANIFEST_MAGIC, Manifest, PageRef
 
 MAGIC = b"SPKS1 "
@@ -99,7 +99,7 @@ def read(layout: StoreLayout) -> Snapshot | None:
     except OSError:
         return None
     finally:
-        os.close(fd)
+        close_quietly(fd)
     head = len(MAGIC) + 65
     if data[: len(MAGIC)] != MAGIC or data[head - 1: head] != b"\n":
         return None
