@@ -22,7 +22,8 @@ still fits):
 A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``. A pass
 whose view of the store is incomplete (a listing or a read of manifests, pins, recency or
 live publications failed: EIO, EACCES) evicts and deletes nothing and stops with
-``unknown``: deletion is decided only on positive knowledge.
+``unknown``: deletion is decided only on positive knowledge. A manifest whose unlink fails
+is read back into the view before any object is deleted.
 
 A pass drives the store's collector (``collector.py``: the crash-safe deletions, the sweep,
 and the state that carries from pass to pass) against the store's limits; this module holds
@@ -227,6 +228,7 @@ def _drop_planned(collector: Collector, plan: _Plan, budget: PassBudget, clock: 
             pending = pending if pending is not None else next(plan.items, None)
             break
         paths = []
+        dropped: dict[str, tuple[int, bool]] = {}  # path -> (manifest bytes, expired)
         while True:
             item = pending if pending is not None else next(plan.items, None)
             pending = None
@@ -250,11 +252,14 @@ def _drop_planned(collector: Collector, plan: _Plan, budget: PassBudget, clock: 
             path, nbytes, _ = collector.forget(entry_id)
             if path is not None:
                 paths.append(path)
+                dropped[path] = (nbytes, expired)
                 reclaimed += nbytes
             planned_bytes += est
             evicted += 1
             expired_n += expired
-        collector.unlink(paths, clock)
+        for path in collector.unlink(paths, clock):  # not removed: back in the view
+            nbytes, expired = dropped[path]
+            evicted, expired_n, reclaimed = evicted - 1, expired_n - expired, reclaimed - nbytes
         if stopped_by != "done" or pending is None:
             break
     return stopped_by, evicted, expired_n, reclaimed, pending is not None

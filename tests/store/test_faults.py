@@ -7,6 +7,10 @@ The scenario: a store over its cap (the pass evicts its least recently used entr
 old entry pinned (never evicted), an orphan object (swept), a live publication's declared
 object that no manifest names yet (kept). The clean run removes some files; a run with one
 failure injected may remove fewer, never another: ``removed(fault) <= removed(clean)``.
+
+Below them, what the state machine of ``test_fault_properties.py`` found, each reduced to one
+fault at one place: a manifest whose unlink fails keeps its objects (an eviction, a
+supersession).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkcache.store import PageStore, PassBudget, run_pass
+from sparkcache.store import PageStore, PassBudget, run_pass, verify_store
 from sparkcache.store.objects import digest_of
 from sparkcache.store.pins import create_pin
 from sparkcache.store.staging import Staging
@@ -217,3 +221,51 @@ def test_a_manifest_unreadable_at_open_is_read_once_readable_again(fs, template)
     assert all(r.endswith(digest_of(ORPHAN)[2:]) for r in removed), sorted(removed)
     for conv in CONVS:
         assert store.lookup(IDENT, conv_keys(conv, 8)).hit, conv
+
+
+# ------------------------------------------------------------------ found by the state machine
+# (tests/store/test_fault_properties.py): each reduced to one fault at one place.
+
+MANIFEST = r"^/default/manifests/[0-9a-f]{32}/[0-9a-f]{40}\.mf$"
+
+
+def _fresh(fs: FaultFS, convs=(1, 2), n: int = 8) -> PageStore:
+    """An empty store on the mount with ``convs`` published (``n`` blocks each)."""
+    fs.clear()
+    shutil.rmtree(fs.backing / "default", ignore_errors=True)
+    store = _open(fs.mount)
+    for conv in convs:
+        assert store.publish(IDENT, conv_keys(conv, n), conv_pages(conv, n, 4)).ok
+    return store
+
+
+def _dangling(store: PageStore) -> list:
+    """What verify finds: with only faults (no damage), nothing."""
+    return list(verify_store(store.layout).problems)
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=["EIO", "EACCES"])
+def test_a_manifest_whose_unlink_fails_keeps_its_objects(fs, err):
+    """A pass evicts an entry, the unlink of its manifest fails: the manifest stays, so must
+    its objects (the pass deleted them, leaving an entry that names objects that are gone)."""
+    reader = _fresh(fs)
+    evictor = _open(fs.mount, max_bytes=1, low=0)
+    fs.fail("unlink", MANIFEST, err, times=1)
+    report = run_pass(evictor, BUDGET, sweep_shards=256, timer=stopped_clock)
+    assert fs.fired() == 1
+    fs.clear()
+    assert _dangling(reader) == [], report
+    kept = [conv for conv in (1, 2) if reader.lookup(IDENT, conv_keys(conv, 8)).hit]
+    assert len(kept) == 1, (kept, report)
+    assert report.entries_evicted == 1, report
+
+
+def test_a_superseded_manifest_whose_unlink_fails_keeps_its_objects(fs):
+    """The same through supersession: a longer publication discards the shorter entry."""
+    store = _fresh(fs, convs=(1,), n=6)  # pages of 4 and 2 blocks: the second is its own
+    fs.fail("unlink", MANIFEST, errno.EIO, times=1)
+    result = store.publish(IDENT, conv_keys(1, 8), conv_pages(1, 8, 4))
+    assert result.ok and fs.fired() == 1, result
+    fs.clear()
+    assert _dangling(store) == []
+    assert store.lookup(IDENT, conv_keys(1, 6)).hit_blocks == 6
