@@ -22,8 +22,9 @@ still fits):
 A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``. A pass
 whose view of the store is incomplete (a listing or a read of manifests, pins, recency or
 live publications failed: EIO, EACCES) evicts and deletes nothing and stops with
-``unknown``: deletion is decided only on positive knowledge. A manifest whose unlink fails
-is read back into the view before any object is deleted.
+``unknown``; one that cannot read the filesystem's clock (its stamp of the pins directory
+fails) stops with ``error`` before it plans: deletion is decided only on positive knowledge.
+A manifest whose unlink fails is read back into the view before any object is deleted.
 
 A pass drives the store's collector (``collector.py``: the crash-safe deletions, the sweep,
 and the state that carries from pass to pass) against the store's limits; this module holds
@@ -203,7 +204,7 @@ def _locked_plan(store: PageStore, clocks: Clock) -> tuple[_Plan, int, int]:
     (judged at the filesystem's now, read afresh). Returns (plan, pinned entries skipped,
     used bytes before the pass)."""
     collector = store.collector
-    now = clocks.fs_now(store.layout, fresh=True)
+    now = clocks.fs_now(store.layout, fresh=True, required=True)  # its I/O error stops the pass
     protected, pinned, used_before, by_age = collector.begin_pass(now, store.lease_seconds,
                                                                   store.max_bytes, clocks)
     items = _plan(store, collector.catalog, by_age, pinned, collector.draining, now)

@@ -10,7 +10,7 @@ failure injected may remove fewer, never another: ``removed(fault) <= removed(cl
 
 Below them, what the state machine of ``test_fault_properties.py`` found, each reduced to one
 fault at one place: a manifest whose unlink fails keeps its objects (an eviction, a
-supersession).
+supersession); a pass that cannot stamp the pins directory expires nothing by its wall clock.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ import os
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from sparkcache.store import PageStore, PassBudget, run_pass, verify_store
+from sparkcache.store.clocks import Clock
 from sparkcache.store.objects import digest_of
 from sparkcache.store.pins import create_pin
 from sparkcache.store.staging import Staging
@@ -269,3 +272,20 @@ def test_a_superseded_manifest_whose_unlink_fails_keeps_its_objects(fs):
     fs.clear()
     assert _dangling(store) == []
     assert store.lookup(IDENT, conv_keys(1, 6)).hit_blocks == 6
+
+
+def test_a_pass_that_cannot_read_the_filesystems_clock_expires_nothing(fs):
+    """A new maintainer (no reading of the filesystem's clock yet) whose stamp of the pins
+    directory fails used its wall clock: ten years ahead, the TTL took every entry."""
+    _fresh(fs)
+    before = _files(fs.backing)
+    maintainer = _open(fs.mount, ttl_seconds=60)
+    maintainer.clocks = Clock()  # its own process: no reading of the filesystem's clock yet
+    real = time.time
+    fs.fail("utimens", r"^/default/pins$", errno.EIO, times=1)
+    with mock.patch.object(time, "time", lambda: real() + 10 * 365.25 * 86400):
+        report = run_pass(maintainer, BUDGET, sweep_shards=0, timer=stopped_clock)
+    assert fs.fired() == 1
+    fs.clear()
+    assert before - _files(fs.backing) == set(), report
+    assert report.entries_expired == 0, report
