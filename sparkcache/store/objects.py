@@ -69,7 +69,7 @@ class ObjectStore:
         try:
             data = _read_exactly(fd, digest, size)
         finally:
-            os.close(fd)
+            _close_read_only(fd)
         _check_digest(digest, data)
         return data
 
@@ -89,7 +89,7 @@ class ObjectStore:
                 hasher.update(chunk)
                 got += len(chunk)
         finally:
-            os.close(fd)
+            _close_read_only(fd)
         if hasher.hexdigest() != digest:
             raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
 
@@ -106,7 +106,7 @@ class ObjectStore:
         try:
             _check_stat(digest, os.fstat(fd), size)
         except ObjectError:
-            os.close(fd)
+            _close_read_only(fd)
             raise
         return fd
 
@@ -230,6 +230,16 @@ def _each_in_parallel(fn, refs: list, *, parallel: bool = True) -> list:
         if isinstance(item, ObjectError):
             raise item
     return results
+
+
+def _close_read_only(fd: int) -> None:
+    """Close a descriptor opened only to read. An error closing it (a FUSE or network
+    filesystem's flush: EIO) says nothing of the bytes read, which their hash verifies; it
+    must not turn a read into an exception that is not an ``ObjectError``."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass  # the descriptor is released anyway (close(2) frees it even when it fails)
 
 
 def _read_exactly(fd: int, digest: str, size: int) -> bytearray:

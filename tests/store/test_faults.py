@@ -10,7 +10,8 @@ failure injected may remove fewer, never another: ``removed(fault) <= removed(cl
 
 Below them, what the state machine of ``test_fault_properties.py`` found, each reduced to one
 fault at one place: a manifest whose unlink fails keeps its objects (an eviction, a
-supersession); a pass that cannot stamp the pins directory expires nothing by its wall clock.
+supersession); a pass that cannot stamp the pins directory expires nothing by its wall clock;
+a failed close of an object is not an exception.
 """
 
 from __future__ import annotations
@@ -230,6 +231,7 @@ def test_a_manifest_unreadable_at_open_is_read_once_readable_again(fs, template)
 # (tests/store/test_fault_properties.py): each reduced to one fault at one place.
 
 MANIFEST = r"^/default/manifests/[0-9a-f]{32}/[0-9a-f]{40}\.mf$"
+OBJECT = r"^/default/objects/[0-9a-f]{2}/[0-9a-f]{62}$"
 
 
 def _fresh(fs: FaultFS, convs=(1, 2), n: int = 8) -> PageStore:
@@ -289,3 +291,18 @@ def test_a_pass_that_cannot_read_the_filesystems_clock_expires_nothing(fs):
     fs.clear()
     assert before - _files(fs.backing) == set(), report
     assert report.entries_expired == 0, report
+
+
+def test_a_failed_close_of_an_object_is_not_an_exception(fs):
+    """A read of an object whose close (a FUSE or network filesystem's flush) fails returns a
+    result: its verified bytes or a reason, never an OSError out of ``read``."""
+    store = _fresh(fs, convs=(1,))
+    hit = store.lookup(IDENT, conv_keys(1, 8))
+    fs.fail("flush", OBJECT, errno.EIO, times=-1)
+    read = store.read(hit.handle)
+    verified = store.lookup(IDENT, conv_keys(1, 8), verify=True)
+    assert fs.fired() > 0
+    fs.clear()
+    assert read.ok or read.reason == "io_error", read
+    assert not read.ok or [bytes(p) for p in read.pages] == conv_pages(1, 8, 4)
+    assert verified.hit or verified.reason == "io_error", verified
