@@ -11,7 +11,8 @@ failure injected may remove fewer, never another: ``removed(fault) <= removed(cl
 Below them, what the state machine of ``test_fault_properties.py`` found, each reduced to one
 fault at one place: a manifest whose unlink fails keeps its objects (an eviction, a
 supersession); a pass that cannot stamp the pins directory expires nothing by its wall clock;
-a failed close of an object is not an exception.
+a failed close of an object, of a publication's intent or of an abandoned temp file is not an
+exception.
 """
 
 from __future__ import annotations
@@ -306,3 +307,28 @@ def test_a_failed_close_of_an_object_is_not_an_exception(fs):
     assert read.ok or read.reason == "io_error", read
     assert not read.ok or [bytes(p) for p in read.pages] == conv_pages(1, 8, 4)
     assert verified.hit or verified.reason == "io_error", verified
+
+
+def test_a_failed_close_of_a_publications_intent_is_not_an_exception(fs):
+    """A publication's last step closes its intent, unlinked just before (FaultFS sees no
+    path): an error there (a network filesystem's flush) must not escape ``publish``, whose
+    outcome is decided by then."""
+    store = _fresh(fs, convs=(1,))
+    fs.fail("flush", r"^$", errno.EIO, times=-1)
+    result = store.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4))
+    assert fs.fired() > 0
+    fs.clear()
+    assert result.ok, result
+    assert store.lookup(IDENT, conv_keys(2, 8)).hit_blocks == 8
+
+
+def test_a_failed_close_of_an_abandoned_temp_file_is_not_an_exception(fs):
+    """A publication fails writing a page (EIO); closing the temp file it leaves fails too:
+    ``publish`` answers io_error rather than raise the close's error."""
+    store = _fresh(fs, convs=(1,))
+    fs.fail("write", r"^/default/staging/[0-9a-f]{24}-[0-9a-f]{64}\.tmp$", errno.EIO, times=-1)
+    fs.fail("flush", r"^/default/staging/[0-9a-f]{24}-[0-9a-f]{64}\.tmp$", errno.EIO, times=-1)
+    result = store.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4))
+    fs.clear()
+    assert not result.ok and result.reason == "io_error", result
+    assert _dangling(store) == []
