@@ -12,7 +12,9 @@ Below them, what the state machine of ``test_fault_properties.py`` found, each r
 fault at one place: a manifest whose unlink fails keeps its objects (an eviction, a
 supersession); a pass that cannot stamp the pins directory expires nothing by its wall clock;
 a failed close of an object, of a publication's intent or of an abandoned temp file is not an
-exception.
+exception; and, as strict xfails left to the rewrite of ``index.py``, a failed close of a
+manifest (an OSError out of ``publish``) and two ways a view keeps missing entries once a read
+under their directory failed.
 """
 
 from __future__ import annotations
@@ -332,3 +334,52 @@ def test_a_failed_close_of_an_abandoned_temp_file_is_not_an_exception(fs):
     fs.clear()
     assert not result.ok and result.reason == "io_error", result
     assert _dangling(store) == []
+
+
+@pytest.mark.xfail(strict=True, reason="EntryIndex.load closes a manifest with os.close in a finally "
+                   "clause: its error escapes refresh (sparkcache/store/index.py, being rewritten)")
+def test_a_failed_close_of_a_manifest_is_not_an_exception(fs):
+    """Another process published; this one's next refresh reads the new manifest and its
+    close (flush) fails: ``publish`` and ``capacity`` raise OSError instead of answering."""
+    store = _fresh(fs, convs=(1,))
+    other = _open(fs.mount)
+    assert other.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4)).ok
+    fs.fail("flush", MANIFEST, errno.EIO, times=1)
+    try:
+        result = store.publish(IDENT, conv_keys(3, 8), conv_pages(3, 8, 4))
+    finally:
+        fs.clear()
+    assert result.ok or result.reason == "io_error", result
+
+
+@pytest.mark.xfail(strict=True, reason="EntryIndex._refresh_dir re-lists a directory with unknown "
+                   "manifests only when its mtime moved (sparkcache/store/index.py, being rewritten)")
+def test_a_manifest_unreadable_at_open_is_found_by_a_lookup_once_readable(fs):
+    """A writer opens while the manifests cannot be read (EIO): they are unknown, "read again
+    by every refresh". Once readable, a lookup (a refresh that is not forced) must find them;
+    it does not while their directory's mtime stays the same, so a process that runs no
+    maintenance pass (a restore-only reader) misses them until something is published."""
+    _fresh(fs)
+    time.sleep(0.1)  # the directory's mtime is old enough to trust (index._MTIME_TRUST_S)
+    fs.fail("read", MANIFEST, errno.EIO, times=-1)
+    reader = _open(fs.mount)
+    assert fs.fired() > 0 and len(reader.catalog.unknown()) == 2
+    fs.clear()
+    assert reader.lookup(IDENT, conv_keys(1, 8)).hit
+
+
+@pytest.mark.xfail(strict=True, reason="EntryIndex._changed_listing records the directory's mtime before "
+                   "it lists: a listing that fails leaves a mark that the next refresh trusts "
+                   "(sparkcache/store/index.py, being rewritten)")
+def test_an_identity_directory_unlistable_at_open_is_listed_once_readable(fs):
+    """A writer opens while an identity directory cannot be listed (EIO): its entries are
+    unknown. Once it lists again, a lookup must find them; the failed listing left the
+    directory's mtime recorded, the next refresh trusts it and forgets that the directory
+    was never read, so the entries stay missing (not even unknown) until the mtime moves."""
+    _fresh(fs)
+    time.sleep(0.1)  # the directory's mtime is old enough to trust (index._MTIME_TRUST_S)
+    fs.fail("readdir", r"^/default/manifests/[0-9a-f]{32}$", errno.EIO, times=-1)
+    reader = _open(fs.mount)
+    assert fs.fired() > 0 and reader.catalog.unknown()
+    fs.clear()
+    assert reader.lookup(IDENT, conv_keys(1, 8)).hit
