@@ -9,6 +9,13 @@ backing directory, in its own process, that returns an errno for the operations 
         ...                                # the same work: that listing fails with EIO once
         fs.clear()
 
+``fs.set_clock(seconds)`` puts the filesystem's clock that far from the kernel's: every time
+getattr reports is the backing file's moved by it, so a file stamped through the mount (a
+write, ``utimens`` with the kernel's now) reads back stamped by the filesystem's clock. The
+files stamped before keep their times only if the test moves their backing mtimes back by
+the same step (a clock step: ``test_fault_properties.py``). Times a caller sets explicitly
+through the mount are taken as the kernel's too (the store only ever stamps "now").
+
 Paths are the filesystem's own (``/default/manifests``), matched with ``re.search``. Every
 operation goes to the backing directory, so inodes (``use_ino``, ``readdir_ino``), sizes,
 modes and mtimes are the backing files'. Attribute and entry caching are off, and the page
@@ -62,6 +69,9 @@ class FaultFS:
         self.backing = Path(base) / "backing"
         self.mount = Path(base) / "mnt"
         self._socket_path = Path(base) / "faultfs.sock"
+        # The server's own messages (fusepy logs an operation that raised): a file, never a
+        # pipe nobody reads, whose filling would block the server and every caller with it.
+        self.log_path = Path(base) / "faultfs.log"
         self._proc: subprocess.Popen | None = None
 
     @classmethod
@@ -72,13 +82,14 @@ class FaultFS:
     def __enter__(self) -> "FaultFS":
         self.backing.mkdir(parents=True, exist_ok=True)
         self.mount.mkdir(parents=True, exist_ok=True)
-        self._proc = subprocess.Popen(
-            [sys.executable, __file__, str(self.backing), str(self.mount), str(self._socket_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, __file__, str(self.backing), str(self.mount), str(self._socket_path)],
+                stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 20
         while not (os.path.ismount(self.mount) and self._socket_path.exists()):
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                err = self._proc.stderr.read().decode() if self._proc.poll() is not None else ""
+                err = self.log_path.read_text(errors="replace")[-4000:] if self._proc.poll() is not None else ""
                 self.__exit__(None, None, None)
                 raise RuntimeError(f"faultfs did not mount at {self.mount}: {err.strip() or 'timeout'} "
                                    "(needs /dev/fuse, Debian's libfuse2 and fusepy: run make test's set-up)")
@@ -90,6 +101,9 @@ class FaultFS:
             return
         if os.path.ismount(self.mount):
             subprocess.run(["umount", "-l", str(self.mount)], check=False)
+        # Detached, it lives on while a test's store holds a descriptor there: end it (those
+        # descriptors then answer ENOTCONN).
+        self._proc.terminate()
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -130,6 +144,11 @@ class FaultFS:
         """Remove every rule."""
         self._ask(cmd="clear")
 
+    def set_clock(self, seconds: float) -> None:
+        """The filesystem's clock ``seconds`` from the kernel's (0: the kernel's): added to
+        every time getattr reports from now on."""
+        self._ask(cmd="clock", seconds=float(seconds))
+
     def fired(self) -> int:
         """How many calls the rules have failed since the last ``clear``."""
         return int(self._ask(cmd="fired"))
@@ -151,9 +170,11 @@ def _serve(backing: str, mount: str, socket_path: str) -> None:
 
     lock = threading.Lock()
     rules: list[dict] = []
-    state = {"fired": 0, "log": None}
+    state = {"fired": 0, "log": None, "clock_ns": 0}
 
-    def check(op: str, path: str) -> None:
+    def check(op: str, path: str | None) -> None:
+        # None: a file removed while open (``hard_remove``), reached through its descriptor
+        path = "" if path is None else path
         with lock:
             if state["log"] is not None:
                 state["log"].append((op, path))
@@ -169,7 +190,8 @@ def _serve(backing: str, mount: str, socket_path: str) -> None:
                     rule["times"] -= 1
                 state["fired"] += 1
                 if rule["truncate_to"] >= 0:
-                    os.truncate(real(path), rule["truncate_to"])
+                    if path:
+                        os.truncate(real(path), rule["truncate_to"])
                     continue
                 raise FuseOSError(rule["errno"])
 
@@ -191,10 +213,12 @@ def _serve(backing: str, mount: str, socket_path: str) -> None:
 
         @oserror
         def getattr(self, path, fh=None):
-            st = os.lstat(real(path))
+            st = os.fstat(fh) if path is None and fh is not None else os.lstat(real(path))
             out = {k: getattr(st, k) for k in ("st_mode", "st_ino", "st_nlink", "st_uid", "st_gid",
                                                 "st_size", "st_blocks", "st_blksize")}
-            out.update(st_atime=st.st_atime_ns, st_mtime=st.st_mtime_ns, st_ctime=st.st_ctime_ns)
+            off = state["clock_ns"]
+            out.update(st_atime=st.st_atime_ns + off, st_mtime=st.st_mtime_ns + off,
+                       st_ctime=st.st_ctime_ns + off)
             return out
 
         @oserror
@@ -357,6 +381,8 @@ def _serve(backing: str, mount: str, socket_path: str) -> None:
             elif cmd == "clear":
                 rules.clear()
                 state["fired"] = 0
+            elif cmd == "clock":
+                state["clock_ns"] = int(req["seconds"] * 1e9)
             elif cmd == "fired":
                 return state["fired"]
             elif cmd == "record":

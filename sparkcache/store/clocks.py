@@ -100,12 +100,16 @@ class Clock:
     def boot(self) -> float:
         return self._boot()
 
-    def fs_now(self, layout: StoreLayout, *, fresh: bool = False, probe: bool = True) -> float:
+    def fs_now(self, layout: StoreLayout, *, fresh: bool = False, probe: bool = True,
+               required: bool = False) -> float:
         """The filesystem's now under ``layout``: the pins directory stamped with the
         kernel's time and read back (``fresh``: always; otherwise when the last reading is
         over ``PROBE_EVERY_S`` old), else the last reading advanced by the boot clock. With
         ``probe`` false (a reader that writes nothing), or when the stamp fails (a read-only
-        or failing disk), the last reading; without one, this process's wall clock."""
+        or failing disk), the last reading; without one, this process's wall clock.
+        ``required`` (with ``fresh``: for a decision that deletes, a maintenance pass): the
+        stamp's I/O error is raised instead, so that no deletion rests on a wall clock, nor
+        on an older reading that has not seen a step of the filesystem's clock since."""
         boot = self.boot()
         with self._lock:
             last = self._probes.get(layout.base)
@@ -113,8 +117,11 @@ class Clock:
         if probe and (fresh or estimate is None or boot - last[1] > PROBE_EVERY_S):
             try:
                 reading = layout.touch(layout.pins_dir)
-            except (OSError, UnsafePathError):
-                pass
+            except OSError:
+                if required:
+                    raise
+            except UnsafePathError:
+                pass  # a link or a file in its place: never stamped (verify lists it)
             else:
                 with self._lock:
                     self._probes[layout.base] = (reading, self.boot())

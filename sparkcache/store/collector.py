@@ -28,7 +28,8 @@ from typing import Sequence
 from .catalog import Catalog
 from .clocks import SYSTEM_CLOCK, Clock
 from .index import IndexedEntry
-from .layout import StoreLayout, UnsafePathError, is_identity_digest, parallel_map, sync_all
+from .layout import (MANIFEST_SUFFIX, StoreLayout, UnsafePathError, is_identity_digest, parallel_map,
+                     sync_all)
 from .locks import exclusive_lock
 from .objects import ObjectStore
 from .pacing import PassClock, UnitCosts
@@ -185,27 +186,43 @@ class Collector:
                 self.unsynced_dirs.add(os.path.dirname(path))
             return path, nbytes, freed
 
-    def unlink(self, paths: list[str], clock: PassClock | None = None) -> None:
+    def unlink(self, paths: list[str], clock: PassClock | None = None) -> list[str]:
         """[gc lock] Unlink the manifests of forgotten entries in parallel, then let listings
-        see them again (one that could not be unlinked comes back). An unlink that frees data
-        blocks can wait on the device (ext4 with online discard issues the discard inside the
-        unlink and waits for it, queued behind pending writes); parallel unlinks share that
-        wait."""
+        see them again. One that could not be unlinked (EIO, EACCES: it may still be there)
+        is read back into the view at once, so the objects it names are referenced again
+        before any deferred object is deleted (and if it cannot be read, the view is
+        incomplete and nothing is): a failed unlink never leaves a manifest whose objects are
+        gone. Returns those paths. An unlink that frees data blocks can wait on the device
+        (ext4 with online discard issues the discard inside the unlink and waits for it,
+        queued behind pending writes); parallel unlinks share that wait."""
         if not paths:
-            return
+            return []
         work = lambda: parallel_map(self._unlink_quietly, paths, "maintenance")  # noqa: E731
+        kept = list(paths)  # until the unlinks say otherwise
         try:
-            clock.run("unlink_batch", work) if clock is not None else work()
+            done = clock.run("unlink_batch", work) if clock is not None else work()
+            kept = [path for path, ok in zip(paths, done) if not ok]
         finally:
-            self.catalog.removed(paths)
+            stayed = set(kept)
+            # Only those gone are journaled: another process's view must keep a kept one's
+            # objects referenced (it may be the next maintainer).
+            self.catalog.removed([path for path in paths if path not in stayed])
             with self.lock:
                 self.catalog.unlinked(paths)
+                for path in kept:
+                    self.catalog.add_published(os.path.basename(os.path.dirname(path)),
+                                               os.path.basename(path)[: -len(MANIFEST_SUFFIX)])
+        return kept
 
-    def _unlink_quietly(self, path: str) -> None:
+    def _unlink_quietly(self, path: str) -> bool:
+        """Whether ``path`` is gone (unlinked now, or already)."""
         try:
             self.layout.unlink(path)
+            return True
+        except FileNotFoundError:
+            return True
         except (OSError, UnsafePathError):
-            pass  # a directory, or a link on the way: never followed; verify reports it
+            return False  # a failing disk, a directory, or a link on the way (never followed)
 
     def _fsync_dir_if_safe(self, path: str) -> None:
         """fsync a store directory; one that is gone or not a real directory any more

@@ -40,7 +40,7 @@ _RECENCY = " (last access)"  # the suffix of an unknown recency's key in ``unkno
 # A manifest may declare at most this many blocks (4M tokens at 16 per block; the in-memory
 # index costs a few hundred bytes per block key, in every process that opens the store).
 MAX_ENTRY_KEYS = 1 << 18
-_RETRIES_PER_LOOKUP = 4  # unreadable manifests a lookup's refresh tries again
+_RETRIES_PER_LOOKUP = 4  # unreadable manifests (and unlistable directories) a lookup retries
 RECENCY_SWEEP = 256  # last accesses a complete refresh re-reads from disk, round-robin
 
 
@@ -88,7 +88,9 @@ class IndexedEntry:
 
     def __post_init__(self) -> None:
         if not self.unique_pages:
-            self.unique_pages = tuple({p.digest: p for p in self.manifest.objects}.values())
+            objects = self.manifest.objects
+            self.unique_pages = objects if len(objects) == 1 else \
+                tuple({p.digest: p for p in objects}.values())
 
     @property
     def entry_id(self) -> str:
@@ -311,6 +313,9 @@ class EntryIndex:
         """Record ``entry``'s last access (from disk, or this process's own touch)."""
         entry.last_access = when
         entry.lru_seq = next(self._seq)
+        if self._shard_fds is not None:  # during a full listing: heapified once at its end
+            self._lru.append((when, entry.lru_seq, entry.entry_id))
+            return
         heapq.heappush(self._lru, (when, entry.lru_seq, entry.entry_id))
         if len(self._lru) > 2 * len(self.entries) + 4096:  # prune the stale items
             self._lru = [(e.last_access, e.lru_seq, e.entry_id) for e in self.entries.values()]
@@ -474,10 +479,23 @@ class EntryIndex:
                 self._apply(self._pending.popleft())
             if complete and not self._listed:
                 self._list_all()
+            elif self.unknown:
+                self._retry_listings()  # a process running no pass sees them too, once readable
         retry = [p for p in self.unknown if p.endswith(MANIFEST_SUFFIX)]
         for path in retry if complete else retry[:_RETRIES_PER_LOOKUP]:
             idd, name = path.split(os.sep)[-2:]
             self.load(idd, name[: -len(MANIFEST_SUFFIX)])
+
+    def _retry_listings(self) -> None:
+        """List again what could not be listed: the manifests directory (all of it), or the
+        identity directories that failed (each alone; the view stays not ``complete`` until a
+        pass's complete refresh lists everything)."""
+        top = self.layout.manifests_dir
+        if top in self.unknown:
+            self._list_all()
+            return
+        for path in [p for p in self.unknown if os.path.dirname(p) == top][:_RETRIES_PER_LOOKUP]:
+            self._list_dir(os.path.basename(path))
 
     def _apply(self, record: Record) -> None:
         if record.op is Op.RESCAN:
@@ -544,10 +562,10 @@ class EntryIndex:
                 self.bad.pop(entry_id, None)
             self._forget_unknown_under(self.layout.identity_dir(gone))
         self._shard_fds = {}
-        self._snapshot = read_snapshot(self.layout)
         collecting = gc.isenabled()
-        gc.disable()  # the view's many small objects would trigger collections that find nothing
-        try:
+        gc.disable()  # the view's (and the snapshot's) many small objects would trigger
+        try:          # collections that find nothing
+            self._snapshot = read_snapshot(self.layout)
             for idd in dirs:
                 self._list_dir(idd)
         finally:
@@ -556,6 +574,7 @@ class EntryIndex:
             for fd in self._shard_fds.values():
                 close_quietly(fd)
             self._shard_fds = None
+            heapq.heapify(self._lru)
             self._snapshot = None
         self._listed = not any(not p.endswith((MANIFEST_SUFFIX, _RECENCY)) for p in self.unknown)
 

@@ -22,7 +22,9 @@ still fits):
 A pass that stops on its budget reports ``remaining_entries`` and ``stopped_by``. A pass
 whose view of the store is incomplete (a listing or a read of manifests, pins, recency or
 live publications failed: EIO, EACCES) evicts and deletes nothing and stops with
-``unknown``: deletion is decided only on positive knowledge.
+``unknown``; one that cannot read the filesystem's clock (its stamp of the pins directory
+fails) stops with ``error`` before it plans: deletion is decided only on positive knowledge.
+A manifest whose unlink fails is read back into the view before any object is deleted.
 
 A pass drives the store's collector (``collector.py``: the crash-safe deletions, the sweep,
 and the state that carries from pass to pass) against the store's limits; this module holds
@@ -215,7 +217,7 @@ def _locked_plan(store: PageStore, clocks: Clock, budget: PassBudget) -> tuple[_
     entries a pass can reach (``plan_window``). Returns (plan, pinned entries skipped, used
     bytes before the pass)."""
     collector = store.collector
-    now = clocks.fs_now(store.layout, fresh=True)
+    now = clocks.fs_now(store.layout, fresh=True, required=True)  # its I/O error stops the pass
     protected, pinned, used_before, by_age = collector.begin_pass(
         now, store.lease_seconds, store.max_bytes, clocks, window=plan_window(budget))
     items = _plan(store, collector.catalog, by_age, pinned, collector.draining, now)
@@ -240,6 +242,7 @@ def _drop_planned(collector: Collector, plan: _Plan, budget: PassBudget, clock: 
             pending = pending if pending is not None else next(plan.items, None)
             break
         paths = []
+        dropped: dict[str, tuple[int, bool]] = {}  # path -> (manifest bytes, expired)
         while True:
             item = pending if pending is not None else next(plan.items, None)
             pending = None
@@ -263,11 +266,14 @@ def _drop_planned(collector: Collector, plan: _Plan, budget: PassBudget, clock: 
             path, nbytes, _ = collector.forget(entry_id)
             if path is not None:
                 paths.append(path)
+                dropped[path] = (nbytes, expired)
                 reclaimed += nbytes
             planned_bytes += est
             evicted += 1
             expired_n += expired
-        collector.unlink(paths, clock)
+        for path in collector.unlink(paths, clock):  # not removed: back in the view
+            nbytes, expired = dropped[path]
+            evicted, expired_n, reclaimed = evicted - 1, expired_n - expired, reclaimed - nbytes
         if stopped_by != "done" or pending is None:
             break
     return stopped_by, evicted, expired_n, reclaimed, pending is not None

@@ -17,8 +17,8 @@ import stat
 import blake3
 
 from .reasons import Reason
-from .layout import (StoreLayout, UnsafePathError, occupied, parallel_map, start_writeback, sync_all,
-                     write_all)
+from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, parallel_map,
+                     start_writeback, sync_all, write_all)
 
 
 class ObjectError(Exception):
@@ -69,7 +69,7 @@ class ObjectStore:
         try:
             data = _read_exactly(fd, digest, size)
         finally:
-            os.close(fd)
+            close_quietly(fd)
         _check_digest(digest, data)
         return data
 
@@ -89,7 +89,7 @@ class ObjectStore:
                 hasher.update(chunk)
                 got += len(chunk)
         finally:
-            os.close(fd)
+            close_quietly(fd)
         if hasher.hexdigest() != digest:
             raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
 
@@ -106,7 +106,7 @@ class ObjectStore:
         try:
             _check_stat(digest, os.fstat(fd), size)
         except ObjectError:
-            os.close(fd)
+            close_quietly(fd)
             raise
         return fd
 

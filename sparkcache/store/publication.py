@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from .layout import parallel_imap, start_writeback, sync_all, wait_writeback, write_all
+from .layout import (close_quietly, parallel_imap, start_writeback, sync_all, wait_writeback,
+                     write_all)
 from .locks import PUBLISH_WAIT_S, shared_lock
 from .manifests import PageRef
 from .objects import digest_of
@@ -86,9 +87,11 @@ class PublicationWriter:
         layout.fsync_dir(os.path.dirname(manifest_final))
 
     def close(self) -> None:
-        for fd, _, _ in self._open:
-            os.close(fd)
-        self._open.clear()
+        """Close what a failed publication left open (abandoned temp files: an error closing
+        one changes nothing, and must not replace the publication's own)."""
+        items, self._open = self._open, []
+        for fd, _, _ in items:
+            close_quietly(fd)
 
     # ------------------------------------------------------------------ steps
 
@@ -129,13 +132,25 @@ class PublicationWriter:
         try:
             sync_all(lambda item: os.fdatasync(item[0]), items, "publish")
         finally:
-            for fd, _, _ in items:
-                os.close(fd)
+            _close_all([fd for fd, _, _ in items])  # an error closing one fails the round
         # the manifest (no digest) is renamed by commit, after this round
         objects = [(digest, tmp) for _, digest, tmp in items if digest]
         dirs = set(extra_dirs) | self.store.objects.place(objects)
         self.written_digests.update(digest for digest, _ in objects)
         sync_all(self.store.layout.fsync_dir, sorted(dirs), "publish")
+
+
+def _close_all(fds: list[int]) -> None:
+    """Close every descriptor, then raise the first error a close returned (none is left
+    open by another's error)."""
+    first = None
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 __all__ = ["BaseObjectGone", "PublicationWriter"]

@@ -52,6 +52,7 @@ class Snapshot:
     def __init__(self, rows: dict[str, list], identities: list[Identity], sizes: dict[str, int]) -> None:
         self._rows = rows
         self._identities = identities
+        self._digests = [identity.digest() for identity in identities]
         self.sizes = sizes
 
     def __len__(self) -> int:
@@ -70,11 +71,10 @@ class Snapshot:
             ident, _, digest, nbytes, bpp, created, keys, pages, state = raw
             if nbytes != size or header[len(MANIFEST_MAGIC): _HEADER - 1] != digest.encode():
                 return None
-            identity = self._identities[ident]
-            if (identity.digest() != identity_digest or type(keys) is not list or not keys
+            if (self._digests[ident] != identity_digest or type(keys) is not list or not keys
                     or type(bpp) is not int or bpp < 1 or -(-len(keys) // bpp) != len(pages)):
                 return None
-            manifest = Manifest(entry_id, identity, tuple(keys), bpp,
+            manifest = Manifest(entry_id, self._identities[ident], tuple(keys), bpp,
                                 tuple(PageRef(d, s) for d, s in pages), float(created),
                                 PageRef(*state) if state is not None else None)
             return Row(manifest, digest)

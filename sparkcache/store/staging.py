@@ -21,7 +21,7 @@ import shutil
 import stat
 from typing import Iterable
 
-from .layout import StoreLayout, UnsafePathError, is_object_digest, write_all
+from .layout import StoreLayout, UnsafePathError, close_quietly, is_object_digest, write_all
 from .locks import LockTimeout, flock_within
 
 INTENT_SUFFIX = ".intent"
@@ -88,13 +88,16 @@ class Staging:
             self._fd = None
 
     def close(self) -> None:
-        """Remove leftover temp files; the intent goes last, then the lock is released."""
+        """Remove leftover temp files; the intent goes last, then the lock is released.
+        Never raises: it runs after the publication's outcome is decided (an error closing
+        the intent, a FUSE or network filesystem's flush, changes nothing of it; the
+        descriptor and its lock are released anyway)."""
         for path in self._temps:
             _remove_quietly(self.layout, path)  # normally already renamed into place
         if self._fd is not None:
             _remove_quietly(self.layout, self.intent_path)
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            close_quietly(fd)
 
     def __enter__(self) -> "Staging":
         return self.open()

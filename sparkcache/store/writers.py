@@ -32,7 +32,7 @@ import logging
 import os
 import weakref
 
-from .layout import StoreLayout, UnsafePathError, write_all
+from .layout import StoreLayout, UnsafePathError, close_quietly, write_all
 from .locks import PUBLISH_WAIT_S, LockTimeout, flock_within
 from ..settings import SettingsError, format_bytes
 
@@ -51,7 +51,7 @@ class WriterClaim:
     is collected, or when the process ends."""
 
     def __init__(self, fd: int | None) -> None:
-        self._finalizer = weakref.finalize(self, os.close, fd) if fd is not None else None
+        self._finalizer = weakref.finalize(self, close_quietly, fd) if fd is not None else None
 
     def close(self) -> None:
         if self._finalizer is not None:

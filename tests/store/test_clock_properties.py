@@ -34,8 +34,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
-from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -44,17 +42,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from sparkcache.store import PassBudget, run_pass
 from sparkcache.store.clocks import SYSTEM_CLOCK, Clock
+from clock_helpers import FS_STEPS, TIME_STEPS, WALLS, as_wall, shift_mtimes
 from store_helpers import IDENT, conv_keys, conv_pages, open_store, stopped_clock
 
 EXAMPLES = int(os.environ.get("CLOCK_EXAMPLES", "100"))
 STEPS = int(os.environ.get("CLOCK_STEPS", "30"))
 LEASE, TTL, MARGIN = 100.0, 60.0, 7.0
 OTHER_BOOT = "0b0e1d00-0000-4000-8000-000000000002"
-REAL_TIME = time.time
 CONVS = range(3)
 BUDGET = PassBudget(max_entries=1024, max_bytes=1 << 50, max_ms=5000.0)
-YEARS_10 = 10 * 365.25 * 86400.0
-WALLS = st.sampled_from([-YEARS_10, -3600.0, -120.0, 0.0, 120.0, 3600.0, YEARS_10])
 
 
 if SYSTEM_CLOCK.boot_id is None:
@@ -97,18 +93,6 @@ class ClockSteps(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
 
-    def _as_wall(self, wall: float):
-        """This process's wall clock ``wall`` seconds off the kernel's while it acts."""
-        return mock.patch.object(time, "time", lambda: REAL_TIME() + wall)
-
-    def _shift_all(self, seconds: float) -> None:
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            for name in dirnames + filenames:
-                path = os.path.join(dirpath, name)
-                st_ = os.lstat(path)
-                os.utime(path, (st_.st_atime - seconds, st_.st_mtime - seconds),
-                         follow_symlinks=False)
-
     def _pin_path(self, lease: _Lease) -> str:
         return os.path.join(self.stores["M"].layout.pins_dir, lease.lease_id + ".pin")
 
@@ -117,14 +101,14 @@ class ClockSteps(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ clocks
 
-    @rule(d=st.sampled_from([1.0, 20.0, 45.0, 80.0, 110.0, 250.0]))
+    @rule(d=TIME_STEPS)
     def time_passes(self, d):
         self.t += d
-        self._shift_all(d)
+        shift_mtimes(self.root, d)
 
-    @rule(s=st.sampled_from([-YEARS_10, -3600.0, -120.0, 120.0, 3600.0, YEARS_10]))
+    @rule(s=FS_STEPS)
     def filesystem_clock_steps(self, s):
-        self._shift_all(s)
+        shift_mtimes(self.root, s)
         if s > 0:  # forward: a pin from the other host not yet seen looks old at its sighting
             for lease in self.leases:
                 for m in ("M", "M2"):
@@ -142,7 +126,7 @@ class ClockSteps(RuleBasedStateMachine):
 
     @rule(reader=st.sampled_from(["A", "B"]), conv=st.sampled_from(CONVS), wall=WALLS)
     def publish(self, reader, conv, wall=0.0):
-        with self._as_wall(wall):
+        with as_wall(wall):
             result = self.stores[reader].publish(IDENT, conv_keys(conv, 8), conv_pages(conv, 8, 4))
         assert result.ok, result
         self.entry[conv] = result.entry_id
@@ -152,7 +136,7 @@ class ClockSteps(RuleBasedStateMachine):
     def take_lease(self, reader, conv, wall):
         """A reader's capture published, then read under a lease (as a restore is)."""
         self.publish(reader, conv, wall)
-        with self._as_wall(wall):
+        with as_wall(wall):
             result = self.stores[reader].lookup(IDENT, conv_keys(conv, 8), lease=True)
             self.stores[reader].accesses.flush()  # the hit is stamped off the lookup's thread
         assert result.hit and result.lease_id, result
@@ -175,7 +159,7 @@ class ClockSteps(RuleBasedStateMachine):
         before = {x.lease_id for x in self.leases if os.path.exists(self._pin_path(x))}
         store = self.stores[maintainer]
         store.max_bytes, store.low_watermark_bytes = (1, 0) if pressure else (1 << 40, 1 << 39)
-        with self._as_wall(wall):
+        with as_wall(wall):
             report = run_pass(store, BUDGET, sweep_shards=0, timer=stopped_clock)
         assert report.stopped_by == "done", report
         if self.restamp_due:

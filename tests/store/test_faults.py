@@ -7,6 +7,13 @@ The scenario: a store over its cap (the pass evicts its least recently used entr
 old entry pinned (never evicted), an orphan object (swept), a live publication's declared
 object that no manifest names yet (kept). The clean run removes some files; a run with one
 failure injected may remove fewer, never another: ``removed(fault) <= removed(clean)``.
+
+Below them, what the state machine of ``test_fault_properties.py`` found, each reduced to one
+fault at one place: a manifest whose unlink fails keeps its objects (an eviction, a
+supersession); a pass that cannot stamp the pins directory expires nothing by its wall clock;
+a failed close of an object, of a publication's intent, of an abandoned temp file or of a
+manifest is not an exception; and a view that could not read a manifest or list its directory
+at open finds its entries once they read again, in a process that runs no pass.
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ import os
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from sparkcache.store import PageStore, PassBudget, run_pass
+from sparkcache.store import PageStore, PassBudget, run_pass, verify_store
+from sparkcache.store.clocks import Clock
 from sparkcache.store.objects import digest_of
 from sparkcache.store.pins import create_pin
 from sparkcache.store.staging import Staging
@@ -224,3 +234,154 @@ def test_a_manifest_unreadable_at_open_is_read_once_readable_again(fs, template)
     assert all(r.endswith(digest_of(ORPHAN)[2:]) for r in removed), sorted(removed)
     for conv in CONVS:
         assert store.lookup(IDENT, conv_keys(conv, 8)).hit, conv
+
+
+# ------------------------------------------------------------------ found by the state machine
+# (tests/store/test_fault_properties.py): each reduced to one fault at one place.
+
+MANIFEST = r"^/default/manifests/[0-9a-f]{32}/[0-9a-f]{40}\.mf$"
+OBJECT = r"^/default/objects/[0-9a-f]{2}/[0-9a-f]{62}$"
+
+
+def _fresh(fs: FaultFS, convs=(1, 2), n: int = 8) -> PageStore:
+    """An empty store on the mount with ``convs`` published (``n`` blocks each)."""
+    fs.clear()
+    shutil.rmtree(fs.backing / "default", ignore_errors=True)
+    store = _open(fs.mount)
+    for conv in convs:
+        assert store.publish(IDENT, conv_keys(conv, n), conv_pages(conv, n, 4)).ok
+    return store
+
+
+def _dangling(store: PageStore) -> list:
+    """What verify finds: with only faults (no damage), nothing."""
+    return list(verify_store(store.layout).problems)
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES], ids=["EIO", "EACCES"])
+def test_a_manifest_whose_unlink_fails_keeps_its_objects(fs, err):
+    """A pass evicts an entry, the unlink of its manifest fails: the manifest stays, so must
+    its objects (the pass deleted them, leaving an entry that names objects that are gone)."""
+    first = _fresh(fs)
+    used = first.capacity().used_bytes
+    first.close()
+    evictor = _open(fs.mount, max_bytes=used - 1, low=0)  # evicts both
+    fs.fail("unlink", MANIFEST, err, times=1)
+    report = run_pass(evictor, BUDGET, sweep_shards=256, timer=stopped_clock)
+    assert fs.fired() == 1, report
+    fs.clear()
+    reader = _open(fs.mount, read_only=True)
+    assert _dangling(reader) == [], report
+    kept = [conv for conv in (1, 2) if reader.lookup(IDENT, conv_keys(conv, 8)).hit]
+    assert len(kept) == 1, (kept, report)
+    assert report.entries_evicted == 1, report
+
+
+def test_a_superseded_manifest_whose_unlink_fails_keeps_its_objects(fs):
+    """The same through supersession: a longer publication discards the shorter entry."""
+    store = _fresh(fs, convs=(1,), n=6)  # pages of 4 and 2 blocks: the second is its own
+    fs.fail("unlink", MANIFEST, errno.EIO, times=1)
+    result = store.publish(IDENT, conv_keys(1, 8), conv_pages(1, 8, 4))
+    assert result.ok and fs.fired() == 1, result
+    fs.clear()
+    assert _dangling(store) == []
+    assert store.lookup(IDENT, conv_keys(1, 6)).hit_blocks == 6
+
+
+def test_a_pass_that_cannot_read_the_filesystems_clock_expires_nothing(fs):
+    """A new maintainer (no reading of the filesystem's clock yet) whose stamp of the pins
+    directory fails used its wall clock: ten years ahead, the TTL took every entry."""
+    _fresh(fs)
+    before = _files(fs.backing)
+    maintainer = _open(fs.mount, ttl_seconds=60)
+    maintainer.clocks = Clock()  # its own process: no reading of the filesystem's clock yet
+    real = time.time
+    fs.fail("utimens", r"^/default/pins$", errno.EIO, times=1)
+    with mock.patch.object(time, "time", lambda: real() + 10 * 365.25 * 86400):
+        report = run_pass(maintainer, BUDGET, sweep_shards=0, timer=stopped_clock)
+    assert fs.fired() == 1
+    fs.clear()
+    assert before - _files(fs.backing) == set(), report
+    assert report.entries_expired == 0, report
+
+
+def test_a_failed_close_of_an_object_is_not_an_exception(fs):
+    """A read of an object whose close (a FUSE or network filesystem's flush) fails returns a
+    result: its verified bytes or a reason, never an OSError out of ``read``."""
+    store = _fresh(fs, convs=(1,))
+    hit = store.lookup(IDENT, conv_keys(1, 8))
+    fs.fail("flush", OBJECT, errno.EIO, times=-1)
+    read = store.read(hit.handle)
+    verified = store.lookup(IDENT, conv_keys(1, 8), verify=True)
+    assert fs.fired() > 0
+    fs.clear()
+    assert read.ok or read.reason == "io_error", read
+    assert not read.ok or [bytes(p) for p in read.pages] == conv_pages(1, 8, 4)
+    assert verified.hit or verified.reason == "io_error", verified
+
+
+def test_a_failed_close_of_a_publications_intent_is_not_an_exception(fs):
+    """A publication's last step closes its intent, unlinked just before (FaultFS sees no
+    path): an error there (a network filesystem's flush) must not escape ``publish``, whose
+    outcome is decided by then."""
+    store = _fresh(fs, convs=(1,))
+    fs.fail("flush", r"^$", errno.EIO, times=-1)
+    result = store.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4))
+    assert fs.fired() > 0
+    fs.clear()
+    assert result.ok, result
+    assert store.lookup(IDENT, conv_keys(2, 8)).hit_blocks == 8
+
+
+def test_a_failed_close_of_an_abandoned_temp_file_is_not_an_exception(fs):
+    """A publication fails writing a page (EIO); closing the temp file it leaves fails too:
+    ``publish`` answers io_error rather than raise the close's error."""
+    store = _fresh(fs, convs=(1,))
+    fs.fail("write", r"^/default/staging/[0-9a-f]{24}-[0-9a-f]{64}\.tmp$", errno.EIO, times=-1)
+    fs.fail("flush", r"^/default/staging/[0-9a-f]{24}-[0-9a-f]{64}\.tmp$", errno.EIO, times=-1)
+    result = store.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4))
+    fs.clear()
+    assert not result.ok and result.reason == "io_error", result
+    assert _dangling(store) == []
+
+
+def test_a_failed_close_of_a_manifest_is_not_an_exception(fs):
+    """Another process published; this one's next refresh reads the new manifest and its
+    close (flush) fails: ``publish`` and ``capacity`` raise OSError instead of answering."""
+    store = _fresh(fs, convs=(1,))
+    other = _open(fs.mount)
+    assert other.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4)).ok
+    fs.fail("flush", MANIFEST, errno.EIO, times=1)
+    try:
+        result = store.publish(IDENT, conv_keys(3, 8), conv_pages(3, 8, 4))
+    finally:
+        fs.clear()
+    assert result.ok or result.reason == "io_error", result
+
+
+def test_a_manifest_unreadable_at_open_is_found_by_a_lookup_once_readable(fs):
+    """A writer opens while the manifests cannot be read (EIO): they are unknown, "read again
+    by every refresh". Once readable, a lookup (a refresh that is not forced) must find them;
+    it does not while their directory's mtime stays the same, so a process that runs no
+    maintenance pass (a restore-only reader) misses them until something is published."""
+    _fresh(fs)
+    time.sleep(0.1)  # the directory's mtime is old enough to trust (index._MTIME_TRUST_S)
+    fs.fail("read", MANIFEST, errno.EIO, times=-1)
+    reader = _open(fs.mount)
+    assert fs.fired() > 0 and len(reader.catalog.unknown()) == 2
+    fs.clear()
+    assert reader.lookup(IDENT, conv_keys(1, 8)).hit
+
+
+def test_an_identity_directory_unlistable_at_open_is_listed_once_readable(fs):
+    """A writer opens while an identity directory cannot be listed (EIO): its entries are
+    unknown. Once it lists again, a lookup must find them; the failed listing left the
+    directory's mtime recorded, the next refresh trusts it and forgets that the directory
+    was never read, so the entries stay missing (not even unknown) until the mtime moves."""
+    _fresh(fs)
+    time.sleep(0.1)  # the directory's mtime is old enough to trust (index._MTIME_TRUST_S)
+    fs.fail("readdir", r"^/default/manifests/[0-9a-f]{32}$", errno.EIO, times=-1)
+    reader = _open(fs.mount)
+    assert fs.fired() > 0 and reader.catalog.unknown()
+    fs.clear()
+    assert reader.lookup(IDENT, conv_keys(1, 8)).hit
