@@ -17,6 +17,8 @@ publication's manifest (``published``), a removal (``removed``), an access (``to
 
 from __future__ import annotations
 
+import collections
+
 from .clocks import FUTURE_SLACK_S
 from .identity import entry_id_for
 from .index import BadManifest, EntryIndex, IndexedEntry, ManifestLimits
@@ -32,12 +34,17 @@ class Catalog:
         self.layout = layout
         self.index = EntryIndex(layout, alloc_unit, limits)
         self._future: dict[str, IndexedEntry] = {}  # last accesses stamped ahead, not yet re-stamped
+        # this process's hits, stamped by its AccessRecorder: (entry, time), applied by refresh
+        self.stamped: collections.deque[tuple[IndexedEntry, float]] = collections.deque()
 
     # ------------------------------------------------------------------ sync with disk
 
     def refresh(self, *, full: bool = False, complete: bool = False,
                 budget_s: float | None = None) -> None:
-        """Bring the view up to date with the manifests on disk (``EntryIndex.refresh``)."""
+        """Bring the view up to date with this process's recorded hits and the manifests on
+        disk (``EntryIndex.refresh``)."""
+        while self.stamped:
+            self.accessed(*self.stamped.popleft())
         self.index.refresh(full=full, complete=complete, budget_s=budget_s)
 
     def refresh_recency(self, now: float | None = None) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
 import time
 from typing import Sequence
 
@@ -44,6 +43,7 @@ from ..settings import Settings, check_number, format_bytes
 
 
 LOOKUP_REFRESH_S = 0.0002  # the time a lookup spends on other processes' changes (at least one)
+_VANISHED_RETRIES = 4  # matches a lookup tries when the best ones were removed by another process
 
 
 class PageStore:
@@ -85,9 +85,7 @@ class PageStore:
         self.catalog = Catalog(self.layout, unit, ManifestLimits.for_store(max_bytes, unit))
         self._mutex = threading.RLock()
         self.collector = Collector(self.layout, self.catalog, self.objects, self._mutex)
-        # (a weak reference: the store is not kept alive, with its descriptors, by its own thread)
-        self.accesses = AccessRecorder(self.layout, self.catalog.index.journal,
-                                       weakref.WeakMethod(self._accessed))
+        self.accesses = AccessRecorder(self.layout, self.catalog.index.journal, self.catalog.stamped)
         self.last_recovery: RecoveryReport | None = None
         if not read_only:
             try:
@@ -294,24 +292,31 @@ class PageStore:
                 with_state: bool) -> LookupResult:
         with self._mutex:
             self.catalog.refresh(budget_s=LOOKUP_REFRESH_S)
-            entry, depth = self.catalog.longest_match(idd, keys, with_state=with_state)
-            refused = self.catalog.refused_deeper(idd, keys, depth)
-        if entry is None:
-            if refused is not None:
-                return self._miss(refused.reason, refused.entry_id,
-                                  f"manifest {refused.path}: {refused.detail}")
-            return self._miss(Reason.NOT_FOUND, None, "no stored prefix for this identity")
+        for _ in range(_VANISHED_RETRIES):
+            with self._mutex:
+                entry, depth = self.catalog.longest_match(idd, keys, with_state=with_state)
+                refused = self.catalog.refused_deeper(idd, keys, depth)
+            if entry is None:
+                if refused is not None:
+                    return self._miss(refused.reason, refused.entry_id,
+                                      f"manifest {refused.path}: {refused.detail}")
+                return self._miss(Reason.NOT_FOUND, None, "no stored prefix for this identity")
+            pages = list(entry.manifest.pages_for_blocks(depth))
+            if with_state:
+                pages.append(entry.manifest.state)
+            try:
+                self.objects.check_many_present(pages)
+                if verify:  # one page in memory at a time: an entry can be many GiB
+                    for page in pages:
+                        self.objects.check_verified(page.digest, page.size)
+                break
+            except ObjectError as exc:
+                if not self._vanished(entry):
+                    return self._miss(exc.reason, entry.entry_id, str(exc))
+                # removed by another process, its record not applied yet: the next best match
+        else:
+            return self._miss(Reason.ABSENT, None, "the entries found were being removed")
         handle = _handle_of(entry)
-        pages = list(entry.manifest.pages_for_blocks(depth))
-        if with_state:
-            pages.append(entry.manifest.state)
-        try:
-            self.objects.check_many_present(pages)
-            if verify:  # one page in memory at a time: an entry can be many GiB
-                for page in pages:
-                    self.objects.check_verified(page.digest, page.size)
-        except ObjectError as exc:
-            return self._miss(exc.reason, entry.entry_id, str(exc))
         lease_id = None
         if lease and not self.read_only:
             lease_id = self.pin(entry.entry_id, idd)
@@ -377,10 +382,19 @@ class PageStore:
                 return None
         return lease_id
 
-    def _accessed(self, stamped: list) -> None:
-        with self._mutex:
-            for entry, when in stamped:
-                self.catalog.accessed(entry, when)
+    def _vanished(self, entry: IndexedEntry) -> bool:
+        """Whether ``entry``'s manifest is gone or replaced (then it leaves the view): its
+        objects are another process's removal, not damage."""
+        try:
+            gone = self.layout.lstat(entry.path).st_ino != entry.inode
+        except FileNotFoundError:
+            gone = True
+        except (OSError, UnsafePathError):
+            return False
+        if gone:
+            with self._mutex:
+                self.catalog.drop_vanished(entry)
+        return gone
 
     def release(self, lease_id: str | None) -> None:
         if lease_id:

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from sparkcache.store import PassBudget, run_pass
+from sparkcache.store.identity import entry_id_for
 from sparkcache.store.index import MAX_ENTRY_KEYS
 from sparkcache.store.locks import exclusive_lock
 from sparkcache.store.manifests import Manifest, PageRef, encode
@@ -55,6 +56,28 @@ def test_another_process_s_eviction_leaves_the_view(tmp_path):
     after = reader.capacity()
     assert after.entries == 2 and after.used_bytes < before.used_bytes
     assert reader.lookup(IDENT, conv_keys(1, 8)).reason == Reason.NOT_FOUND
+
+
+def test_a_lookup_whose_best_match_was_removed_elsewhere_answers_the_next_best(tmp_path):
+    """Found by the fault state machine: another process removed the best match (its record
+    not applied yet: a lookup applies what fits in its budget, and a removal's record is
+    best effort). The lookup found that entry's objects gone and missed, although a shorter
+    entry of the same prefix was there; it must answer with that one."""
+    store = open_store(tmp_path)
+    assert store.publish(IDENT, conv_keys(2, 8), conv_pages(2, 8, 4)).ok
+    assert store.publish(IDENT, conv_keys(2, 6), conv_pages(2, 6, 4)).ok
+    shorter = entry_id_for(IDENT.digest(), conv_keys(2, 6)[-1])
+    longer = store.entry(store.lookup(IDENT, conv_keys(2, 6)).entry_id)  # the longer one wins
+    assert longer.entry_id != shorter
+    kept = {p.digest for p in store.entry(shorter).unique_pages}
+    os.unlink(longer.path)  # as another process's removal whose record this one has not read
+    for page in longer.unique_pages:
+        if page.digest not in kept:
+            os.unlink(store.objects.path(page.digest))
+    for _ in range(2):  # the first finds the removal; the second has the view without it
+        hit = store.lookup(IDENT, conv_keys(2, 8))
+        assert hit.hit and hit.entry_id == shorter and hit.hit_blocks == 6, hit
+    assert store.entry(longer.entry_id) is None
 
 
 def test_a_rotation_loses_no_record(tmp_path):
