@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import hashlib
 import heapq
 import itertools
 import os
@@ -32,7 +33,7 @@ from .identity import Identity
 from .journal import Journal, JournalError, Op, Record
 from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, close_quietly, \
     is_entry_id, is_identity_digest, occupied
-from .manifests import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
+from .manifests import HEADER_BYTES, MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
 from .reasons import Reason
 from .snapshot import Snapshot, read as read_snapshot
 
@@ -114,10 +115,14 @@ class _DirMark:
 
 class EntryIndex:
     def __init__(self, layout: StoreLayout, alloc_unit: int,
-                 limits: ManifestLimits | None = None) -> None:
+                 limits: ManifestLimits | None = None, *, whole_bodies: bool = False) -> None:
+        """``whole_bodies`` (``verify``): with a snapshot, every manifest is still read whole
+        and its body checked against its header's checksum (any damaged byte is found; only
+        the decoding of a body the snapshot decoded is saved)."""
         self.layout = layout
         self.alloc_unit = alloc_unit
         self.limits = limits
+        self.whole_bodies = whole_bodies
         self.journal = Journal(layout)
         self.entries: dict[str, IndexedEntry] = {}
         self.bad: dict[str, BadManifest] = {}
@@ -674,8 +679,9 @@ class EntryIndex:
     def _load_from_snapshot(self, idd: str, entry_id: str, dir_fd: int, prefix: str) -> bool:
         """Take the entry from the snapshot when its manifest (``prefix`` + its name, in the
         directory open at ``dir_fd``) is a regular file whose header carries the checksum the
-        snapshot recorded (one short read instead of reading and decoding it); False: read
-        it (``load`` says what it is)."""
+        snapshot recorded (one short read instead of reading and decoding it; with
+        ``whole_bodies``, read whole and its body hashed too); False: read it (``load`` says
+        what it is)."""
         name = entry_id + MANIFEST_SUFFIX
         try:
             fd = os.open(name, _MANIFEST_FLAGS, dir_fd=dir_fd)
@@ -685,11 +691,14 @@ class EntryIndex:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return False
-            header = os.pread(fd, 71, 0)
+            header = os.pread(fd, st.st_size if self.whole_bodies else HEADER_BYTES, 0)
         except OSError:
             return False
         finally:
             close_quietly(fd)  # a read-only descriptor's close says nothing of what was read
+        if self.whole_bodies and hashlib.sha256(header[HEADER_BYTES:]).hexdigest().encode() \
+                != header[HEADER_BYTES - 65: HEADER_BYTES - 1]:
+            return False  # damaged: decoding it says how
         row = self._snapshot.row(entry_id, header, idd, st.st_size)
         if row is None or (self.limits is not None and self.limits.refusal(row.manifest) is not None):
             return False

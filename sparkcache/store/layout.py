@@ -220,24 +220,7 @@ class StoreLayout:
         """An fd of the regular file ``path``: never through a link, never blocking on a
         FIFO; anything but a regular file is ``UnsafePathError``."""
         with self._parent(path, create=create_dirs) as (dfd, name):
-            try:
-                fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode,
-                             dir_fd=dfd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                    raise UnsafePathError(f"{path}: {_KIND_WORDS.get(exc.errno)}; the store "
-                                          "opens only regular files, never through a link") from None
-                raise
-        try:
-            st = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise UnsafePathError(f"{path}: not a regular file (a {file_kind(st.st_mode)}); the "
-                                  "store opens only regular files")
-        return fd
+            return open_regular_at(dfd, name, path, flags, mode)
 
     def unlink(self, path: str) -> bool:
         """Remove the file (or link) ``path`` itself; False when it was already gone."""
@@ -274,16 +257,38 @@ class DirHandle:
         self.fd = fd
 
     def close(self) -> None:
-        os.close(self.fd)
+        close_quietly(self.fd)  # a directory's close says nothing the caller needs
 
     def __enter__(self) -> "DirHandle":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
+        self.close()
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+def open_regular_at(dir_fd: int, name: str, path: str, flags: int, mode: int = 0o644) -> int:
+    """``StoreLayout.open_file`` of ``name`` in the directory open at ``dir_fd`` (``path``:
+    its whole path, for messages)."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise UnsafePathError(f"{path}: {_KIND_WORDS.get(exc.errno)}; the store "
+                                  "opens only regular files, never through a link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafePathError(f"{path}: not a regular file (a {file_kind(st.st_mode)}); the "
+                              "store opens only regular files")
+    return fd
+
+
 _KIND_WORDS = {errno.ELOOP: "is a symbolic link", errno.EISDIR: "is a directory",
                errno.ENXIO: "is a FIFO or socket with no peer"}
 

@@ -27,6 +27,7 @@ from .layout import is_entry_id, is_object_digest
 from .reasons import Reason
 
 MAGIC = b"SPKM1 "
+HEADER_BYTES = len(MAGIC) + 64 + 1  # the header: magic, the body's sha256 in hex, newline
 FORMAT = 2  # 2: page objects named by BLAKE3 (1, never released: sha256)
 # 1M tokens in 16-token blocks is 62,500 keys of ~70 bytes: 4.4 MB. Larger is not ours.
 MAX_MANIFEST_BYTES = 16 << 20

@@ -17,8 +17,8 @@ import stat
 import blake3
 
 from .reasons import Reason
-from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, parallel_map,
-                     start_writeback, sync_all, write_all)
+from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, open_regular_at,
+                     parallel_map, start_writeback, sync_all, write_all)
 
 
 class ObjectError(Exception):
@@ -73,10 +73,11 @@ class ObjectStore:
         _check_digest(digest, data)
         return data
 
-    def check_verified(self, digest: str, size: int) -> None:
+    def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> None:
         """``read_verified`` without keeping the bytes: hashed a chunk at a time, so a page of
-        any recorded size (a sparse file of 64 GiB included) costs bounded memory."""
-        fd = self._open_checked(digest, size)
+        any recorded size (a sparse file of 64 GiB included) costs bounded memory.
+        ``shard_fd``: its shard directory, open (a sweep of many objects)."""
+        fd = self._open_checked(digest, size, shard_fd)
         try:
             hasher, got = blake3.blake3(), 0
             while got < size:
@@ -93,10 +94,13 @@ class ObjectStore:
         if hasher.hexdigest() != digest:
             raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
 
-    def _open_checked(self, digest: str, size: int) -> int:
+    def _open_checked(self, digest: str, size: int, shard_fd: int | None = None) -> int:
         """An fd of the object, opened without following links, with its size checked."""
         try:
-            fd = self.layout.open_file(self.path(digest), os.O_RDONLY)
+            if shard_fd is None:
+                fd = self.layout.open_file(self.path(digest), os.O_RDONLY)
+            else:
+                fd = open_regular_at(shard_fd, digest[2:], self.path(digest), os.O_RDONLY)
         except UnsafePathError as exc:
             raise ObjectError(Reason.CORRUPT, digest, str(exc)) from None
         except FileNotFoundError:

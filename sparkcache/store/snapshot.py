@@ -31,13 +31,12 @@ from dataclasses import dataclass
 
 from .identity import Identity
 from .layout import StoreLayout, UnsafePathError, close_quietly, is_object_digest
-from .manifests import MAGIC as MANIFEST_MAGIC, Manifest, PageRef
+from .manifests import HEADER_BYTES, MAGIC as MANIFEST_MAGIC, Manifest, PageRef
 
 MAGIC = b"SPKS1 "
 FORMAT = 1
 SNAPSHOT_EVERY_S = 600.0  # a writer asks for a new snapshot at most this often
 SNAPSHOT_MIN_ENTRIES = 1000  # a smaller store opens fast enough without one
-_HEADER = len(MANIFEST_MAGIC) + 64 + 1  # a manifest's header: magic, checksum, newline
 
 
 @dataclass(frozen=True)
@@ -64,12 +63,12 @@ class Snapshot:
         made from; None otherwise (read the manifest). A row that does not check out is never
         used."""
         raw = self._rows.get(entry_id)
-        if raw is None or header[: len(MANIFEST_MAGIC)] != MANIFEST_MAGIC or len(header) < _HEADER:
+        if raw is None or header[: len(MANIFEST_MAGIC)] != MANIFEST_MAGIC or len(header) < HEADER_BYTES:
             return None
         try:  # the rows are what this store's own manifests held (the file's checksum says
             # they are whole): only their shape is checked here, as a manifest's decode checks it
             ident, _, digest, nbytes, bpp, created, keys, pages, state = raw
-            if nbytes != size or header[len(MANIFEST_MAGIC): _HEADER - 1] != digest.encode():
+            if nbytes != size or header[len(MANIFEST_MAGIC): HEADER_BYTES - 1] != digest.encode():
                 return None
             if (self._digests[ident] != identity_digest or type(keys) is not list or not keys
                     or type(bpp) is not int or bpp < 1 or -(-len(keys) // bpp) != len(pages)):

@@ -1,9 +1,14 @@
-"""Full integrity sweep of one store: every manifest decoded, every referenced object
-re-hashed, every file under objects/ checked to be a regular file. Read-only."""
+"""Full integrity sweep of one store: every manifest read whole and checked against its
+header's checksum (and decoded, unless the store's snapshot holds the body that checksum
+names), every referenced object re-hashed, every file under objects/ checked to be a regular
+file. Read-only."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+from typing import Iterator
 from dataclasses import dataclass
 
 from .index import EntryIndex
@@ -37,7 +42,7 @@ class VerifyReport:
 
 def verify_store(layout: StoreLayout) -> VerifyReport:
     unit = os.statvfs(layout.base).f_frsize or 4096
-    index = EntryIndex(layout, unit)
+    index = EntryIndex(layout, unit, whole_bodies=True)  # every byte of every manifest checked
     index.refresh(full=True)
     objects = ObjectStore(layout, unit)
     problems: list[Problem] = []
@@ -55,14 +60,16 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
             users.setdefault(page.digest, []).append(entry.entry_id)
             sizes[page.digest] = page.size
     checked = bytes_checked = 0
-    for digest in sorted(users):
-        try:
-            objects.check_verified(digest, sizes[digest])
-            checked += 1
-            bytes_checked += sizes[digest]
-        except ObjectError as exc:
-            problems.append(Problem(f"{exc.reason}_object", objects.path(digest), exc.detail,
-                                    tuple(sorted(set(users[digest])))))
+    for shard, digests in itertools.groupby(sorted(users), key=lambda d: d[:2]):
+        with _shard_dir(layout, objects, shard) as shard_fd:
+            for digest in digests:
+                try:
+                    objects.check_verified(digest, sizes[digest], shard_fd)
+                    checked += 1
+                    bytes_checked += sizes[digest]
+                except ObjectError as exc:
+                    problems.append(Problem(f"{exc.reason}_object", objects.path(digest), exc.detail,
+                                            tuple(sorted(set(users[digest])))))
     orphans = 0
     for shard, kind in _listing(layout, layout.objects_dir, problems):
         shard_path = os.path.join(layout.objects_dir, shard)
@@ -81,6 +88,19 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
     _check_small_files(layout, problems)
     return VerifyReport(len(index.entries) + len(index.bad), checked, bytes_checked, orphans,
                         tuple(problems))
+
+
+@contextlib.contextmanager
+def _shard_dir(layout: StoreLayout, objects: ObjectStore, shard: str) -> Iterator[int | None]:
+    """The shard directory open (one walk for all its objects), or None when it cannot be
+    opened: each object is then opened by its path, which says why."""
+    try:
+        handle = layout.open_dir(os.path.dirname(objects.path(shard + "0" * 62)))
+    except (OSError, UnsafePathError):
+        yield None
+        return
+    with handle as d:
+        yield d.fd
 
 
 def _check_small_files(layout: StoreLayout, problems: list[Problem]) -> None:

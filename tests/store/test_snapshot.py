@@ -90,3 +90,23 @@ def test_maintenance_asks_for_a_snapshot_in_its_own_process(tmp_path):
     assert loaded is not None and len(loaded) == 3
     assert not writer.maybe_start(store.capacity().entries)  # the journal did not move since
     store.close()
+
+
+def test_verify_reads_every_manifest_whole_whatever_the_snapshot_says(tmp_path):
+    """A manifest whose body was damaged after the snapshot (its header intact) opens as the
+    snapshot recorded it, but ``verify``, the store's own check, must find it: it used the
+    snapshot and reported the store clean."""
+    from sparkcache.store import verify_store
+    from sparkcache.store.layout import StoreLayout
+    _published(tmp_path, range(3))
+    layout = StoreLayout.create(str(tmp_path), make=False)
+    snapshot.write(layout)
+    reader = open_store(tmp_path, read_only=True)
+    damaged = reader.entry(reader.lookup(IDENT, conv_keys(1, 9)).entry_id)
+    with open(damaged.path, "r+b") as f:
+        f.seek(-10, 2)
+        byte = f.read(1)
+        f.seek(-10, 2)
+        f.write(bytes([byte[0] ^ 1]))
+    problems = verify_store(layout).problems
+    assert [(p.kind, p.entries) for p in problems] == [("corrupt_manifest", (damaged.entry_id,))], problems
