@@ -70,15 +70,22 @@ class AccessRecorder:
                 self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # an ending (or a failing) thread is never taken for a running one
+            with self._start:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+            if self._queue:  # queued while it ended: ``record`` saw it still running
+                self._ensure_thread()
+
+    def _loop(self) -> None:
         cpus.run_off_model_cpus()
         idle_since = time.monotonic()
         while True:
             if not self._queue:
                 if time.monotonic() - idle_since >= _IDLE_EXIT_S:
-                    with self._start:
-                        if not self._queue:
-                            self._thread = None
-                            return
+                    return
                 time.sleep(POLL_S)
                 continue
             batch, events = [], []

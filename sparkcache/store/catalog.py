@@ -137,6 +137,12 @@ class Catalog:
         """Up to ``n`` entries, least recently used first."""
         return self.index.oldest(n)
 
+    def reread(self, entry: IndexedEntry) -> IndexedEntry | None:
+        """Read ``entry``'s manifest again (another process replaced it); what the view holds
+        under its id afterwards (``entry`` itself when it could not be read)."""
+        self.index.load(entry.manifest.identity_digest, entry.entry_id)
+        return self.index.entries.get(entry.entry_id)
+
     def drop_vanished(self, entry: IndexedEntry) -> None:
         """A lookup found ``entry``'s manifest gone (its removal's record was lost): out of
         the view."""

@@ -117,11 +117,9 @@ class Clock:
         if probe and (fresh or estimate is None or boot - last[1] > PROBE_EVERY_S):
             try:
                 reading = layout.touch(layout.pins_dir)
-            except OSError:
+            except (OSError, UnsafePathError):  # a failing disk; a link or a file in its place
                 if required:
                     raise
-            except UnsafePathError:
-                pass  # a link or a file in its place: never stamped (verify lists it)
             else:
                 with self._lock:
                     self._probes[layout.base] = (reading, self.boot())

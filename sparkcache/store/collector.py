@@ -155,26 +155,28 @@ class Collector:
                     done = tuple(e for e in entry_ids
                                  if e not in pinned and self.catalog.entry(e) is not None)
                 if done:
-                    self.evict(done, protected)
+                    _, kept = self.evict(done, protected)
+                    done = tuple(e for e in done if e not in kept)
                 return done
         except (OSError, UnsafePathError, ViewIncomplete):  # held by another (LockTimeout), a bad disk
             return ()
 
-    def evict(self, entry_ids: Sequence[str], protected: set[str]) -> int:
+    def evict(self, entry_ids: Sequence[str], protected: set[str]) -> tuple[int, set[str]]:
         """[gc lock] Evict entries completely: manifests, fsync, then the objects only they
-        referenced. Returns bytes reclaimed. ``protected`` comes from ``refresh_view``.
-        Deletes only these entries' objects; older deferred work is the next pass's."""
-        reclaimed, freed, paths = 0, set(), []
+        referenced. Returns (bytes reclaimed, the ids of those whose manifest could not be
+        unlinked: still entries). ``protected`` comes from ``refresh_view``. Deletes only
+        these entries' objects; older deferred work is the next pass's."""
+        reclaimed, freed, sizes = 0, set(), {}
         for entry_id in entry_ids:
             path, nbytes, digests = self.forget(entry_id)
             if path is not None:
-                reclaimed += nbytes
                 freed.update(digests)
-                paths.append(path)
-        self.unlink(paths)
+                sizes[path] = (nbytes, entry_id)
+        kept = self.unlink(list(sizes))
+        reclaimed = sum(n for path, (n, _) in sizes.items() if path not in kept)
         self.sync_dropped()
         deleted, _ = self.delete_deferred(protected, only=freed)
-        return reclaimed + deleted
+        return reclaimed + deleted, {sizes[path][1] for path in kept}
 
     def forget(self, entry_id: str) -> tuple[str | None, int, list[str]]:
         """[gc lock] Drop an entry from the catalog and mark its manifest's directory

@@ -497,7 +497,11 @@ class EntryIndex:
         pass's complete refresh lists everything)."""
         top = self.layout.manifests_dir
         if top in self.unknown:
-            self._list_all()
+            try:  # probed first: a failing listing must not cost the journal's records
+                self.layout.scandir_files(top)
+            except (OSError, UnsafePathError):
+                return
+            self._list_all()  # the whole view, once it lists again (seconds for a large store)
             return
         for path in [p for p in self.unknown if os.path.dirname(p) == top][:_RETRIES_PER_LOOKUP]:
             self._list_dir(os.path.basename(path))
@@ -689,7 +693,7 @@ class EntryIndex:
             return False
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
                 return False
             header = os.pread(fd, st.st_size if self.whole_bodies else HEADER_BYTES, 0)
         except OSError:

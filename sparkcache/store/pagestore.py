@@ -383,18 +383,22 @@ class PageStore:
         return lease_id
 
     def _vanished(self, entry: IndexedEntry) -> bool:
-        """Whether ``entry``'s manifest is gone or replaced (then it leaves the view): its
-        objects are another process's removal, not damage."""
+        """Whether ``entry`` left the view because its manifest is gone (then it leaves) or
+        was replaced (then the new one is read in its place): its missing objects were
+        another process's removal, not damage. A manifest that cannot be read keeps what the
+        view held (the index's ``unknown``: nothing it may name is deleted meanwhile)."""
         try:
-            gone = self.layout.lstat(entry.path).st_ino != entry.inode
+            replaced = self.layout.lstat(entry.path).st_ino != entry.inode
         except FileNotFoundError:
-            gone = True
-        except (OSError, UnsafePathError):
-            return False
-        if gone:
             with self._mutex:
                 self.catalog.drop_vanished(entry)
-        return gone
+            return True
+        except (OSError, UnsafePathError):
+            return False
+        if not replaced:
+            return False
+        with self._mutex:
+            return self.catalog.reread(entry) is not entry
 
     def release(self, lease_id: str | None) -> None:
         if lease_id:

@@ -238,6 +238,7 @@ def test_the_shards_of_one_entry_are_evicted_together(tmp_path):
     for conv in range(6):  # rank 1's shards a little older than rank 0's, each pair apart
         for rank, identity in enumerate(ranks):
             entry = store.entry(store.lookup(identity, conv_keys(conv, 16)).entry_id)
+            store.accesses.flush()  # the lookup's own stamp lands first (accesses.py), then ours
             t = time.time() - 1000 + 100 * conv - rank
             os.utime(entry.path, (t, t))
     pinned = store.lookup(ranks[0], conv_keys(0, 16), lease=True)  # the oldest unit, rank 0 pinned

@@ -133,6 +133,24 @@ def test_ttl_is_judged_on_the_filesystems_clock_not_the_maintainers(tmp_path, mo
     assert [c for c in range(3) if _hit(store, c)] == [0, 2]
 
 
+def test_a_new_maintainer_far_ahead_with_a_link_for_a_pins_directory_expires_nothing(tmp_path, monkeypatch):
+    """The pins directory replaced by a link: a new maintainer ten years ahead still reads
+    the filesystem's clock (the link itself is stamped, never followed) or stops; it never
+    falls back to its wall clock and expires every entry."""
+    store = _store(tmp_path, ttl_seconds=60, max_bytes=1 << 30, low_watermark_bytes=1 << 29)
+    _fill(store, range(2))
+    pins = store.layout.pins_dir
+    os.rename(pins, pins + ".moved")
+    os.symlink(pins + ".moved", pins)
+    with monkeypatch.context() as m:
+        _set_wall(m, YEARS_10)
+        maintainer = _store(tmp_path, ttl_seconds=60, max_bytes=1 << 30, low_watermark_bytes=1 << 29)
+        maintainer.clocks = Clock()  # a new process: no reading of the filesystem's clock yet
+        report = run_pass(maintainer, BUDGET, timer=stopped_clock)
+    assert report.entries_expired == 0, report
+    assert [c for c in range(2) if _hit(store, c)] == [0, 1]
+
+
 def test_a_reader_far_ahead_cannot_make_an_entry_immune_to_the_ttl(tmp_path, monkeypatch):
     store = _store(tmp_path, ttl_seconds=60, max_bytes=1 << 30, low_watermark_bytes=1 << 29)
     paths = _fill(store, range(2))

@@ -66,7 +66,9 @@ def template(tmp_path_factory) -> tuple[Path, int, int]:
     store = _open(root, max_bytes=1 << 20, low=1 << 19)
     for age, conv in enumerate(CONVS):
         assert store.publish(IDENT, conv_keys(conv, 8), conv_pages(conv, 8, 4, PER_BLOCK)).ok
-        os.utime(store.catalog.entry(_entry_id(store, conv)).path, (1000.0 + age, 1000.0 + age))
+        entry = store.catalog.entry(_entry_id(store, conv))
+        store.accesses.flush()  # the lookup's own stamp lands first (accesses.py), then ours
+        os.utime(entry.path, (1000.0 + age, 1000.0 + age))
     orphan = store.objects.path(digest_of(ORPHAN))
     os.makedirs(os.path.dirname(orphan), exist_ok=True)
     Path(orphan).write_bytes(ORPHAN)
@@ -246,7 +248,9 @@ OBJECT = r"^/default/objects/[0-9a-f]{2}/[0-9a-f]{62}$"
 def _fresh(fs: FaultFS, convs=(1, 2), n: int = 8) -> PageStore:
     """An empty store on the mount with ``convs`` published (``n`` blocks each)."""
     fs.clear()
-    shutil.rmtree(fs.backing / "default", ignore_errors=True)
+    # through the mount, so the next files are new ones to the kernel too (not the old
+    # writers.lock, which a store an earlier test left open still holds)
+    shutil.rmtree(fs.mount / "default", ignore_errors=True)
     store = _open(fs.mount)
     for conv in convs:
         assert store.publish(IDENT, conv_keys(conv, n), conv_pages(conv, n, 4)).ok
@@ -385,3 +389,46 @@ def test_an_identity_directory_unlistable_at_open_is_listed_once_readable(fs):
     assert fs.fired() > 0 and reader.catalog.unknown()
     fs.clear()
     assert reader.lookup(IDENT, conv_keys(1, 8)).hit
+
+
+def test_a_replaced_manifest_unreadable_when_a_lookup_finds_the_old_objects_gone_keeps_its_objects(fs):
+    """Another process publishes an entry again (its manifest renamed over the old one) and
+    sweeps the old objects; this process's lookup still holds the old entry, finds its
+    objects gone, and the new manifest cannot be read (EIO). The lookup dropped the name
+    (and its "unknown" mark), the view was complete again without it, and this process's
+    next pass swept the new manifest's objects: a manifest naming objects that are gone."""
+    reader = _fresh(fs, convs=())
+    other = _open(fs.mount)
+    keys = conv_keys(1, 8)
+    assert other.publish(IDENT, keys, conv_pages(1, 8, 4)).ok
+    assert reader.lookup(IDENT, keys).hit_blocks == 8
+    assert other.publish(IDENT, keys, conv_pages(9, 8, 4)).ok  # same entry, other bytes
+    assert run_pass(other, BUDGET, sweep_shards=256, timer=stopped_clock).orphans_collected > 0
+    fs.fail("open", MANIFEST, errno.EIO, times=-1)
+    try:
+        missed = reader.lookup(IDENT, keys)
+    finally:
+        fs.clear()
+    assert not missed.hit, missed
+    run_pass(reader, BUDGET, sweep_shards=256, timer=stopped_clock)
+    assert _dangling(reader) == []
+    found, read = _open(fs.mount, read_only=True).fetch(IDENT, keys)
+    assert found.hit and read.ok and [bytes(p) for p in read.pages] == conv_pages(9, 8, 4), found
+
+
+def test_a_view_that_cannot_list_manifests_still_follows_the_journal(fs):
+    """While manifests/ cannot be listed, each lookup tried the whole listing again, which
+    first skipped the journal to its end and dropped the records read but not applied:
+    another process's publications never reached this view."""
+    _fresh(fs, convs=()).close()
+    other = _open(fs.mount)
+    fs.fail("readdir", r"^/default/manifests$", errno.EACCES, times=-1)
+    try:
+        reader = _open(fs.mount, read_only=True)
+        assert reader.catalog.unknown()
+        for conv in range(1, 21):
+            assert other.publish(IDENT, conv_keys(conv, 8), conv_pages(conv, 8, 4)).ok
+        hits = [reader.lookup(IDENT, conv_keys(conv, 8)).hit_blocks == 8 for conv in range(1, 21)]
+    finally:
+        fs.clear()
+    assert all(hits), hits

@@ -5,6 +5,8 @@ and a writer's maintenance asks for one in its own process."""
 
 from __future__ import annotations
 
+import os
+
 from sparkcache.store import snapshot
 from sparkcache.store.snapshot import SnapshotWriter
 
@@ -110,3 +112,26 @@ def test_verify_reads_every_manifest_whole_whatever_the_snapshot_says(tmp_path):
         f.write(bytes([byte[0] ^ 1]))
     problems = verify_store(layout).problems
     assert [(p.kind, p.entries) for p in problems] == [("corrupt_manifest", (damaged.entry_id,))], problems
+
+
+def test_verify_refuses_a_huge_manifest_without_reading_it(tmp_path):
+    """With a snapshot, verify read a manifest whole before looking at its size: one grown
+    to 2 GiB (sparse) made it allocate that much (MemoryError under a memory limit) instead
+    of reporting it, as it does without a snapshot."""
+    import subprocess
+    import sys
+    from sparkcache.store.layout import StoreLayout
+    _published(tmp_path, range(2))
+    layout = StoreLayout.create(str(tmp_path), make=False)
+    snapshot.write(layout)
+    reader = open_store(tmp_path, read_only=True)
+    huge = reader.entry(reader.lookup(IDENT, conv_keys(1, 9)).entry_id)
+    os.truncate(huge.path, 2 << 30)
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1536 << 20, 1536 << 20)); "
+              "from sparkcache.store import verify_store; from sparkcache.store.layout import StoreLayout; "
+              "print(sorted((p.kind, p.entries) for p in verify_store("
+              "StoreLayout.create(sys.argv[1], make=False)).problems))")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str([("corrupt_manifest", (huge.entry_id,))]), done.stdout
