@@ -249,7 +249,7 @@ class EntryIndex:
                         by_key[key] = (pos, {holders, eid})
                 else:
                     holders.add(eid)
-        unit_key = entry.unit_key = self._unit_key(m)
+        unit_key = entry.unit_key = self._unit_key(m, idd)
         unit = self.units.get(unit_key)
         if unit is None:
             self.units[unit_key] = {eid}
@@ -305,8 +305,8 @@ class EntryIndex:
         self._recency_changed.discard(entry_id)
         return freed
 
-    def _unit_key(self, m: Manifest) -> tuple:
-        idd = m.identity_digest  # one digest per identity (cached), cheaper to hash than it
+    def _unit_key(self, m: Manifest, idd: str) -> tuple:
+        # idd: m's identity digest (cached per identity), cheaper to hash than the identity
         rank0 = self._rank0.get(idd)
         if rank0 is None:
             rank0 = self._rank0[idd] = dataclasses.replace(m.identity, tp_rank=0).digest()
@@ -704,7 +704,11 @@ class EntryIndex:
                 != header[HEADER_BYTES - 65: HEADER_BYTES - 1]:
             return False  # damaged: decoding it says how
         row = self._snapshot.row(entry_id, header, idd, st.st_size)
-        if row is None or (self.limits is not None and self.limits.refusal(row.manifest) is not None):
+        if row is None:
+            return False
+        m = row.manifest
+        if self.limits is not None and self.limits.refusal_of(
+                len(m.pages) + (m.state is not None), row.declared_bytes, len(m.block_keys)) is not None:
             return False
         path = prefix + name
         if self.unknown:

@@ -43,6 +43,7 @@ SNAPSHOT_MIN_ENTRIES = 1000  # a smaller store opens fast enough without one
 class Row:
     manifest: Manifest
     checksum: str  # the manifest's header checksum (64 hex digits)
+    declared_bytes: int  # what its pages and state declare, in all (``ManifestLimits``)
 
 
 class Snapshot:
@@ -73,10 +74,14 @@ class Snapshot:
             if (self._digests[ident] != identity_digest or type(keys) is not list or not keys
                     or type(bpp) is not int or bpp < 1 or -(-len(keys) // bpp) != len(pages)):
                 return None
-            manifest = Manifest(entry_id, self._identities[ident], tuple(keys), bpp,
-                                tuple(PageRef(d, s) for d, s in pages), float(created),
-                                PageRef(*state) if state is not None else None)
-            return Row(manifest, digest)
+            refs = tuple([PageRef(d, s) for d, s in pages])
+            declared = sum([s for _, s in pages])
+            if state is not None:
+                state = PageRef(*state)
+                declared += state.size
+            manifest = Manifest(entry_id, self._identities[ident], tuple(keys), bpp, refs,
+                                float(created), state)
+            return Row(manifest, digest, declared)
         except (ValueError, TypeError, IndexError, KeyError):
             return None
 
