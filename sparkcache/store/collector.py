@@ -166,7 +166,7 @@ class Collector:
         referenced. Returns (bytes reclaimed, the ids of those whose manifest could not be
         unlinked: still entries). ``protected`` comes from ``refresh_view``. Deletes only
         these entries' objects; older deferred work is the next pass's."""
-        reclaimed, freed, sizes = 0, set(), {}
+        freed, sizes = set(), {}
         for entry_id in entry_ids:
             path, nbytes, digests = self.forget(entry_id)
             if path is not None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from typing import Iterator
 from dataclasses import dataclass
+from typing import Iterator
 
 from .index import EntryIndex
 from .layout import StoreLayout, UnsafePathError, file_kind
