@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
-import hashlib
 import heapq
 import itertools
 import os
@@ -32,8 +31,9 @@ from dataclasses import dataclass, field
 from .identity import Identity
 from .journal import Journal, JournalError, Op, Record
 from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, close_quietly, \
-    is_entry_id, is_identity_digest, occupied
-from .manifests import HEADER_BYTES, MAX_MANIFEST_BYTES, Manifest, ManifestError, decode
+    is_entry_id, is_identity_digest, occupied, open_regular_at
+from .manifests import (HEADER_BYTES, MAX_MANIFEST_BYTES, Manifest, ManifestError, body_matches,
+                        decode, header_checksum)
 from .reasons import Reason
 from .snapshot import Snapshot, read as read_snapshot
 
@@ -426,8 +426,7 @@ class EntryIndex:
                     if m.state is not None and m.block_count == k and m.block_keys == wanted[:k]:
                         return entry, k
             return None, 0
-        best, depth = self._depth(by_key, wanted)
-        return best, depth
+        return self._depth(by_key, wanted)
 
     def _depth(self, by_key: dict, wanted: tuple) -> tuple[IndexedEntry | None, int]:
         """The entry holding the longest prefix of ``wanted`` and its length (the longest and
@@ -675,7 +674,7 @@ class EntryIndex:
             self._mark_bad(entry_id, idd, path, Reason.CORRUPT, refusal, st.st_ino)
             return None
         entry = IndexedEntry(manifest, path, st.st_ino, len(data), st.st_mtime,
-                             checksum=data[len(b"SPKM1 "):len(b"SPKM1 ") + 64].decode("ascii", "replace"))
+                             checksum=header_checksum(data).decode())
         self.add(entry)
         self._marks.setdefault(idd, _DirMark()).names[entry_id] = st.st_ino
         return entry
@@ -700,8 +699,7 @@ class EntryIndex:
             return False
         finally:
             close_quietly(fd)  # a read-only descriptor's close says nothing of what was read
-        if self.whole_bodies and hashlib.sha256(header[HEADER_BYTES:]).hexdigest().encode() \
-                != header[HEADER_BYTES - 65: HEADER_BYTES - 1]:
+        if self.whole_bodies and not body_matches(header):
             return False  # damaged: decoding it says how
         row = self._snapshot.row(entry_id, header, idd, st.st_size)
         if row is None:
@@ -721,17 +719,8 @@ class EntryIndex:
     def _open_manifest(self, path: str, entry_id: str, dir_fd: int | None) -> int:
         if dir_fd is None:
             return self.layout.open_file(path, os.O_RDONLY)
-        try:  # relative to the identity directory already open: one call, never through a link
-            fd = os.open(entry_id + MANIFEST_SUFFIX, _MANIFEST_FLAGS, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno in (40, 21, 6):  # ELOOP, EISDIR, ENXIO: not a regular file
-                raise UnsafePathError(f"{path}: not a regular file; the store opens only regular "
-                                      "files, never through a link") from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            close_quietly(fd)
-            raise UnsafePathError(f"{path}: not a regular file; the store opens only regular files")
-        return fd
+        # relative to the identity directory already open: one call, never through a link
+        return open_regular_at(dir_fd, entry_id + MANIFEST_SUFFIX, path, os.O_RDONLY)
 
     def _mark_unknown(self, idd: str, entry_id: str, path: str, detail: str) -> None:
         self.unknown[path] = f"{detail} (retried by every refresh; nothing it names is deleted meanwhile)"
@@ -753,7 +742,7 @@ STRIDE = 16  # besides its first, every STRIDE-th block key of an entry is index
 _MANIFEST_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _indexed(n: int) -> range | list[int]:
+def _indexed(n: int) -> list[int]:
     """The positions of an entry's ``n`` keys that the block index holds."""
     return [0, *range(STRIDE - 1, n, STRIDE)] if n > STRIDE - 1 else [0]
 

@@ -267,6 +267,8 @@ class DirHandle:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def open_regular_at(dir_fd: int, name: str, path: str, flags: int, mode: int = 0o644) -> int:
     """``StoreLayout.open_file`` of ``name`` in the directory open at ``dir_fd`` (``path``:
     its whole path, for messages)."""

@@ -108,15 +108,25 @@ def encode(manifest: Manifest) -> bytes:
     return MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
 
 
+def header_checksum(data: bytes) -> bytes:
+    """The body's sha256 (hex) that a manifest's header records (check the magic first)."""
+    return data[len(MAGIC): HEADER_BYTES - 1]
+
+
+def body_matches(data: bytes) -> bool:
+    """Whether a whole manifest's body hashes to the checksum its header records."""
+    return hashlib.sha256(data[HEADER_BYTES:]).hexdigest().encode() == header_checksum(data)
+
+
 def decode(data: bytes, *, expected_entry_id: str | None = None,
            expected_identity_digest: str | None = None) -> Manifest:
     """Parse and validate; raises ``ManifestError`` for anything that does not check out."""
-    header_len = len(MAGIC) + 64 + 1
-    if len(data) < header_len or not data.startswith(MAGIC) or data[header_len - 1:header_len] != b"\n":
+    if (len(data) < HEADER_BYTES or not data.startswith(MAGIC)
+            or data[HEADER_BYTES - 1:HEADER_BYTES] != b"\n"):
         raise ManifestError(Reason.CORRUPT, "bad header (truncated or not a sparkcache manifest)")
-    body = data[header_len:]
-    if hashlib.sha256(body).hexdigest().encode() != data[len(MAGIC):header_len - 1]:
+    if not body_matches(data):
         raise ManifestError(Reason.CORRUPT, "body does not match its checksum")
+    body = data[HEADER_BYTES:]
     if _nesting(body) > _MAX_NESTING:
         raise ManifestError(Reason.CORRUPT, f"JSON nested deeper than {_MAX_NESTING} levels")
     try:

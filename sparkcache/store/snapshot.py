@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 
 from .identity import Identity
-from .layout import StoreLayout, UnsafePathError, close_quietly, is_object_digest
-from .manifests import HEADER_BYTES, MAGIC as MANIFEST_MAGIC, Manifest, PageRef
+from .layout import StoreLayout, UnsafePathError, close_quietly, is_object_digest, write_all
+from .manifests import HEADER_BYTES, MAGIC as MANIFEST_MAGIC, Manifest, PageRef, header_checksum
 
 MAGIC = b"SPKS1 "
 FORMAT = 1
@@ -69,7 +69,7 @@ class Snapshot:
         try:  # the rows are what this store's own manifests held (the file's checksum says
             # they are whole): only their shape is checked here, as a manifest's decode checks it
             ident, _, digest, nbytes, bpp, created, keys, pages, state = raw
-            if nbytes != size or header[len(MANIFEST_MAGIC): HEADER_BYTES - 1] != digest.encode():
+            if nbytes != size or header_checksum(header) != digest.encode():
                 return None
             if (self._digests[ident] != identity_digest or type(keys) is not list or not keys
                     or type(bpp) is not int or bpp < 1 or -(-len(keys) // bpp) != len(pages)):
@@ -146,9 +146,7 @@ def write(layout: StoreLayout) -> int:
     fd = layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, data)
         finally:
             os.close(fd)
         layout.rename(tmp, layout.snapshot_path)
