@@ -76,6 +76,9 @@ def test_read_write_worker_evicts_to_the_watermark_and_reports_it(tmp_path):
         counters: dict[str, float] = {}
         gauges: dict[str, float] = {}
         for i in range(6):  # 6 x 1 MiB entries into a 3 MiB store
+            # a publication into a store above max_bytes is refused (over_capacity) until a pass
+            # evicts: wait for the pass the last publication triggered, as a steady stream would
+            _stats_until(worker, counters, gauges, lambda: not pass_due(worker.store))
             tokens = [1000 * (i + 1) + t for t in range(BLOCKS_PER_ENTRY * BLOCK + 1)]
             for kv in worker.kv.values():  # each conversation's own KV bytes (no shared pages)
                 kv.random_(0, 256)
