@@ -1,29 +1,47 @@
 """What a rank's KV cache is made of, decided once from vLLM's ``KVCacheConfig``.
 
-- ``ATTENTION``: every group is full attention. An entry is pages: every layer's blocks.
-- ``HYBRID``: full-attention groups plus recurrent groups (Mamba / linear attention) in
-  ``mamba_cache_mode="align"``. An entry is the attention groups' pages plus one state
-  object: every recurrent layer's state after exactly the entry's last block, taken from
-  the block vLLM offers for that boundary and restored into block-table column ``n - 1``.
-- ``UNSUPPORTED``: anything else (sliding window, recurrent groups without ``align``, ...):
-  nothing is offered or captured, and ``unsupported`` says why.
+Each KV cache group gets a ``GroupRole`` from what its spec *is* (vLLM's spec types, by
+``type``; a group mixing spec types, ``UniformTypeKVCacheSpecs``, is unwrapped layer by layer):
 
-``description`` is the identity's ``kv_layout``: it changes whenever stored bytes would
-(spec type, heads, head size, dtypes, state shapes, block size, layer names per group,
-vLLM's kv_cache_layout and, for recurrent groups, the conv-state layout and padding). An
-attention-only layout describes itself exactly as before recurrent groups were supported,
-so stored entries keep their identity.
+- ``PAGES``: attention whose every block before the boundary vLLM keeps: ``FullAttentionSpec``
+  (with a sliding window too: vLLM then keeps and hashes every block) and ``MLAAttentionSpec``
+  (the latent cache, and the sparse indexer's key cache, ``tokens_per_state`` > 1, in the same
+  group: whole blocks, never sliced by state). An entry stores every block.
+- ``STATE``: recurrent groups (Mamba, linear attention such as KDA: ``MambaSpec``) in
+  ``mamba_cache_mode="align"``: their state after exactly the entry's last block, taken from
+  the block vLLM offers for that boundary and restored into block-table column ``n - 1``
+  (with speculative decoding too: the draft blocks come after that column, never stored).
+- ``NOT_NEEDED``: nothing in it is read by a request resumed at a block boundary: GLM's
+  indexer tail ring (``CircularBufferSpec``, ``_role`` says why) and groups vLLM marks as not
+  transferable (rebuilt from their source group after a load). Neither captured nor placed.
+- ``REFUSED``: anything else (a ``SlidingWindowSpec`` group, recurrent state outside align
+  mode, the EAGLE / MTP draft group, HiSparse groups, chunked local attention), naming the
+  group, what it is and the fix; a spec type sparkcache does not know is refused too, never
+  guessed from a base class.
+
+``kind`` sums the roles up: ``ATTENTION`` (pages only), ``HYBRID`` (pages and state) or
+``UNSUPPORTED`` (a refused group, or no page group): nothing is offered or captured.
+
+``description`` is the identity's ``kv_layout``. It is the same on the scheduler and the
+workers: vLLM hands the scheduler, for a group mixing spec types, the group's first spec
+(``generate_scheduler_kv_cache_config``), so each group is described by that spec (every
+field: heads, head sizes, dtypes, state shapes, ``tokens_per_state``, ``cache_role``,
+speculative and checkpoint blocks, ...) and its layers, plus vLLM's ``kv_cache_layout`` and
+the conv-state layout. The group's other layers' specs follow from the model and vLLM's
+version (both in the identity), and every page's size is checked against the worker's
+tensors before it is placed. The kernel block size is not in it (docs/CONNECTOR.md says why).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # vLLM's types, for readers and type checkers; never imported at run time here
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
 
 class LayoutKind(enum.Enum):
@@ -32,12 +50,19 @@ class LayoutKind(enum.Enum):
     UNSUPPORTED = "unsupported"
 
 
+class GroupRole(enum.Enum):
+    PAGES = "pages"
+    STATE = "state"
+    NOT_NEEDED = "not-needed"  # nothing in it is read before a block boundary (a ring)
+    REFUSED = "refused"
+
+
 @dataclass(frozen=True)
 class KVLayout:
     kind: LayoutKind
     description: str
-    page_groups: tuple[int, ...]   # full-attention groups: their blocks make the pages
-    state_groups: tuple[int, ...]  # recurrent groups: their state at a boundary, one object
+    page_groups: tuple[int, ...]   # PAGES groups: their blocks make the pages
+    state_groups: tuple[int, ...]  # STATE groups: their state at a boundary, one object
     unsupported: str = ""          # why nothing is offered or captured (UNSUPPORTED only)
 
     @property
@@ -53,46 +78,121 @@ def _conv_state_layout() -> str:
     return str(get_conv_state_layout())
 
 
+def _plain(value: object) -> object:
+    """A spec field as JSON: enums by value, dtypes and fractions as text, tuples as lists."""
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _fields(spec: KVCacheSpec) -> dict[str, object]:
+    return {f.name: _plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)
+            if f.name != "kv_cache_specs"}
+
+
+def _layer_specs(spec: KVCacheSpec, layer_names: list[str]) -> list[KVCacheSpec]:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return list(spec.kv_cache_specs.values())
+    return [spec] * len(layer_names)
+
+
+def _first_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The group's spec as vLLM hands it to the scheduler (``generate_scheduler_kv_cache_config``)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
+def _role(spec: KVCacheSpec) -> tuple[GroupRole, str]:
+    """A layer's role by its spec's exact type, and why when refused."""
+    from vllm.v1 import kv_cache_interface as k
+
+    kind = type(spec).__name__
+    if type(spec) in (k.FullAttentionSpec, k.MLAAttentionSpec):
+        # With a sliding window but a full-attention spec (HMA off, or page sizes that could
+        # not be unified), vLLM keeps and hashes every block: pages like any other.
+        if spec.attention_chunk_size:
+            return GroupRole.REFUSED, (f"{kind} with chunked local attention; sparkcache does "
+                                       "not store it")
+        return GroupRole.PAGES, ""
+    if type(spec) is k.MambaSpec:
+        if spec.mamba_cache_mode != "align":
+            return GroupRole.REFUSED, (f"recurrent with mamba_cache_mode={spec.mamba_cache_mode!r}; "
+                                       "sparkcache stores recurrent state only in 'align' mode "
+                                       "(--mamba-cache-mode align)")
+        # Speculative blocks are scratch after the running column; the state at boundary
+        # m * block_size is always in column m - 1, where vLLM offers and reads it.
+        return GroupRole.STATE, ""
+    if type(spec) is k.CircularBufferSpec:
+        # GLM's indexer tail ring: one block per request, never prefix-cached by vLLM either.
+        # At a boundary that is a multiple of the block size (a multiple of the ring, itself
+        # a multiple of the pool) every pool is complete and compressed into the indexer's
+        # key cache; a resumed prefill starts pool-aligned and reads no ring slot before it.
+        return GroupRole.NOT_NEEDED, ""
+    if isinstance(spec, k.SlidingWindowSpec):
+        return GroupRole.REFUSED, (f"{kind} (window {spec.sliding_window}): vLLM frees the blocks "
+                                   "outside the window as a request runs; sparkcache does not "
+                                   "store windows yet (serve without the hybrid KV cache manager, "
+                                   "--disable-hybrid-kv-cache-manager, to keep every block)")
+    return GroupRole.REFUSED, (f"{kind}, a KV cache spec sparkcache does not store (it stores full "
+                               "attention, MLA and align-mode recurrent state)")
+
+
+def _group_problem(group: KVCacheGroupSpec) -> str:
+    """Why a group is refused whatever its spec says, or ``""``."""
+    if group.is_eagle_group:
+        return ("the EAGLE / MTP draft layers' group: their KV at a prefix's last block depends "
+                "on the token after it, which vLLM handles by dropping a block from every hit; "
+                "sparkcache does not yet")
+    from vllm.v1.kv_cache_interface import KVCacheGroupRole
+
+    if group.host_resident or group.role is not KVCacheGroupRole.DEFAULT:
+        return "a HiSparse host or indexer group; sparkcache does not store those"
+    return ""
+
+
 def describe_kv_layout(kv_cache_config: KVCacheConfig) -> KVLayout:
     groups = []
     pages: list[int] = []
     states: list[int] = []
     problems: list[str] = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
-        spec = g.kv_cache_spec
-        kind = type(spec).__name__
-        described = {
-            "spec": kind, "layers": list(g.layer_names),
-            "block_size": getattr(spec, "block_size", None),
-            "num_kv_heads": getattr(spec, "num_kv_heads", None),
-            "head_size": getattr(spec, "head_size", None),
-            "head_size_v": getattr(spec, "head_size_v", None),
-            "dtype": str(getattr(spec, "dtype", getattr(spec, "dtypes", ""))),
-            "shapes": str(getattr(spec, "shapes", "")),
-        }
-        if kind == "FullAttentionSpec" and not getattr(spec, "sliding_window", None):
+        names = list(g.layer_names)
+        first = _first_spec(g.kv_cache_spec)
+        verdicts = {_role(s) for s in _layer_specs(g.kv_cache_spec, names)}
+        roles = {r for r, _ in verdicts}
+        if len(roles) > 1:
+            problems.append(f"group {i} ({names[0]}, ...) mixes layers of different kinds "
+                            f"({', '.join(sorted(r.value for r in roles))}); sparkcache refuses it")
+        role = roles.pop() if len(roles) == 1 else GroupRole.REFUSED
+        if not g.enable_kv_transfer:
+            role = GroupRole.NOT_NEEDED  # vLLM rebuilds it from its source group after a load
+        elif role is not GroupRole.REFUSED and _group_problem(g):
+            role = GroupRole.REFUSED
+            verdicts = {(role, _group_problem(g))}
+        if role is GroupRole.REFUSED:
+            why = "; ".join(sorted(w for _, w in verdicts if w))
+            if why:
+                problems.append(f"group {i} ({names[0]}, ...) is {why}")
+        elif role is GroupRole.PAGES:
             pages.append(i)
-        elif kind == "MambaSpec":
-            described.update({
-                "mamba_type": str(getattr(spec.mamba_type, "value", spec.mamba_type)),
-                "mamba_cache_mode": spec.mamba_cache_mode,
-                "page_size_padded": spec.page_size_padded,
-                "tp_replicated": bool(getattr(spec, "tp_replicated", False)),
-                "num_speculative_blocks": spec.num_speculative_blocks,
-                "conv_state_layout": _conv_state_layout(),
-            })
-            if spec.mamba_cache_mode != "align":
-                problems.append(f"group {i} ({g.layer_names[0]}, ...) is recurrent with "
-                                f"mamba_cache_mode={spec.mamba_cache_mode!r}; sparkcache stores "
-                                "recurrent state only in 'align' mode (--mamba-cache-mode align)")
-            elif spec.num_speculative_blocks:
-                problems.append(f"group {i} keeps speculative recurrent blocks; sparkcache does "
-                                "not store recurrent state with speculative decoding")
+        elif role is GroupRole.STATE:
             states.append(i)
-        else:
-            problems.append(f"group {i} ({g.layer_names[0]}, ...) is {kind}"
-                            + (" with a sliding window" if kind == "FullAttentionSpec" else "")
-                            + "; sparkcache stores full attention and align-mode recurrent state only")
+        described: dict[str, object] = {"role": role.value, "spec": type(first).__name__,
+                                     "fields": _fields(first), "layers": names,
+                                     "eagle": g.is_eagle_group}
+        if role is GroupRole.STATE:
+            described["conv_state_layout"] = _conv_state_layout()
         groups.append(described)
     description = json.dumps({"groups": groups,
                               "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", ""))},

@@ -577,7 +577,7 @@ class SchedulerSide:
             return None
         bs = self.block_size
         n_blocks = min(request.num_computed_tokens, len(request.all_token_ids)) // bs
-        n_blocks = min(n_blocks, min(len(ids) for ids in block_ids) if block_ids else 0)
+        n_blocks = min([n_blocks, *(len(block_ids[g]) for g in self.layout.page_groups)])
         if n_blocks <= 0 or n_blocks * bs < self.settings.min_span_tokens or not self._usable(st):
             return None
         keys = self._keys(st, n_blocks)

@@ -1,0 +1,151 @@
+"""The layout classifier: what each group is, by vLLM 0.32.0's spec types, the same on the
+scheduler and the workers, with every field that changes stored bytes in the identity.
+
+Real parts: vLLM's spec, group and config types, ``UniformTypeKVCacheSpecs.from_specs`` and
+``generate_scheduler_kv_cache_config`` (what the engine core hands the scheduler). The groups
+are those vLLM builds for GLM-5.3 (shared/docs/FIELD_LAYOUTS.md); ``test_field_layouts.py``
+checks the classifier on the configs vLLM builds from the models themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from sparkcache.connector.kv_layout import LayoutKind, describe_kv_layout
+
+B = 512
+
+
+def _specs():
+    from vllm.v1.kv_cache_interface import (CircularBufferSpec, MambaSpec, MLAAttentionSpec,
+                                            SparseCacheRole)
+
+    kda = MambaSpec(block_size=B, shapes=((3, 1536), (4, 128, 128)), dtypes=(torch.bfloat16, torch.float32),
+                    mamba_cache_mode="align", page_size_padded=524_288)
+    indexer = MLAAttentionSpec(block_size=B, num_kv_heads=1, head_size=132, dtype=torch.uint8,
+                               tokens_per_state=16, cache_role=SparseCacheRole.INDEXER)
+    latent = MLAAttentionSpec(block_size=B, num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
+                              is_index_group_leader=True)
+    ring = CircularBufferSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    return kda, indexer, latent, ring
+
+
+def _glm_like(kda=None, indexer=None, latent=None, ring=None, eagle=False):
+    """The worker's config of a tiny GLM-5.3 (FIELD_LAYOUTS.md) and the scheduler's."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, UniformTypeKVCacheSpecs
+
+    d_kda, d_indexer, d_latent, d_ring = _specs()
+    kda, indexer, latent, ring = kda or d_kda, indexer or d_indexer, latent or d_latent, ring or d_ring
+    mixed = UniformTypeKVCacheSpecs.from_specs({"model.layers.3.self_attn.indexer.k_cache": indexer,
+                                                "model.layers.3.self_attn.attn": latent})
+    assert mixed is not None  # vLLM merges the two into one group, as it does for the model
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], kda) for i in range(3)]
+    groups += [KVCacheGroupSpec(list(mixed.kv_cache_specs), mixed, is_eagle_group=eagle),
+               KVCacheGroupSpec(["model.layers.3.self_attn.tail"], ring)]
+    worker = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    worker.kv_cache_layout = "BLHNC"
+    return worker, generate_scheduler_kv_cache_config([worker])
+
+
+def test_a_group_mixing_mla_and_its_indexer_is_the_same_layout_on_both_halves():
+    worker, scheduler = _glm_like()
+    assert type(scheduler.kv_cache_groups[3].kv_cache_spec).__name__ == "MLAAttentionSpec"  # the indexer's
+    w, s = describe_kv_layout(worker), describe_kv_layout(scheduler)
+    assert w.kind is s.kind is LayoutKind.HYBRID, (w.unsupported, s.unsupported)
+    assert w.description == s.description
+    assert w.page_groups == s.page_groups == (3,)      # MLA latent + indexer key cache
+    assert w.state_groups == s.state_groups == (0, 1, 2)  # KDA
+    # the ring is neither stored nor refused: nothing in it is read at a block boundary
+    assert 4 not in w.page_groups + w.state_groups
+
+
+def _replace(spec, **change):
+    return dataclasses.replace(spec, **change)
+
+
+@pytest.mark.parametrize("which,change", [
+    ("kda", {"num_prefill_checkpoint_blocks": 1}),
+    ("kda", {"prefill_checkpoint_alignment": 1}),
+    ("kda", {"num_speculative_blocks": 1}),
+    ("kda", {"shapes": ((4, 1536), (4, 128, 128))}),
+    ("kda", {"dtypes": (torch.float32, torch.float32)}),
+    ("indexer", {"tokens_per_state": 32}),
+    ("indexer", {"head_size": 136}),
+    ("ring", {"block_size": 32}),
+])
+def test_every_field_that_changes_stored_bytes_changes_the_identity(which, change):
+    base = describe_kv_layout(_glm_like()[1]).description
+    d = dict(zip(("kda", "indexer", "latent", "ring"), _specs()))
+    changed = _glm_like(**{which: _replace(d[which], **change)})[1]
+    assert describe_kv_layout(changed).description != base
+
+
+def test_the_mla_and_indexer_roles_change_the_identity():
+    from vllm.v1.kv_cache_interface import SparseCacheRole
+
+    _, indexer, _, _ = _specs()
+    base = describe_kv_layout(_glm_like()[1]).description
+    other = _glm_like(indexer=_replace(indexer, cache_role=SparseCacheRole.SPARSE))[1]
+    assert describe_kv_layout(other).description != base
+
+
+def _one_group(spec, **group):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.attn"], spec, **group)])
+
+
+def test_deepseek_mla_is_pages():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    layout = describe_kv_layout(_one_group(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                                                            dtype=torch.float32)))
+    assert layout.kind is LayoutKind.ATTENTION and layout.page_groups == (0,)
+
+
+def test_a_full_attention_spec_with_a_window_keeps_every_block_and_its_window_is_in_the_identity():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    plain = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    a = describe_kv_layout(_one_group(plain))
+    b = describe_kv_layout(_one_group(_replace(plain, sliding_window=64)))
+    assert a.kind is b.kind is LayoutKind.ATTENTION
+    assert a.description != b.description
+
+
+@pytest.mark.parametrize("case", ["sliding", "rswa", "eagle", "chunked", "non-align"])
+def test_what_is_not_stored_is_refused_naming_the_group_and_the_fix(case):
+    from vllm.v1 import kv_cache_interface as k
+
+    attn = k.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    config = {
+        "sliding": lambda: _one_group(k.SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32,
+                                                          dtype=torch.float32, sliding_window=64)),
+        # a subclass of FullAttentionSpec that evicts blocks: never taken for full attention
+        "rswa": lambda: _one_group(k.RSWASpec(block_size=32, num_kv_heads=2, head_size=32,
+                                              dtype=torch.float32, rswa_window=64)),
+        "eagle": lambda: _one_group(attn, is_eagle_group=True),
+        "chunked": lambda: _one_group(_replace(attn, attention_chunk_size=128)),
+        "non-align": lambda: _glm_like(kda=_replace(_specs()[0], mamba_cache_mode="all"))[0],
+    }[case]()
+    layout = describe_kv_layout(config)
+    assert layout.kind is LayoutKind.UNSUPPORTED
+    assert "group " in layout.unsupported
+    word = {"sliding": "--disable-hybrid-kv-cache-manager", "rswa": "RSWASpec", "eagle": "EAGLE",
+            "chunked": "chunked", "non-align": "--mamba-cache-mode align"}[case]
+    assert word in layout.unsupported, layout.unsupported
+
+
+def test_a_group_vllm_does_not_transfer_is_neither_stored_nor_refused():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], attn), KVCacheGroupSpec(["b"], attn, enable_kv_transfer=False)])
+    layout = describe_kv_layout(config)
+    assert layout.kind is LayoutKind.ATTENTION and layout.page_groups == (0,)
