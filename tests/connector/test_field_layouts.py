@@ -2,8 +2,8 @@
 ``testing.field_layouts`` records them from vLLM's own start on CPU: each fact the doc states is
 asserted here, so a vLLM that builds them otherwise fails a test rather than the connector.
 
-Slow when nothing is cached (one vLLM start per model, ~20-50 s each on 2 cores); afterwards the
-layouts are read from ``.cache/field_layouts``. The GLM-5.3 models need torchvision's wheel
+Slow when nothing is cached (one vLLM start per model, in a subprocess); afterwards the layouts
+are read from ``.cache/field_layouts``. The GLM-5.3 models need torchvision's wheel
 (``make test-wheels``; ``testing/torchvision_shim.py``).
 """
 
