@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-16)
 SDIST_DIR := .cache/sdist
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-upstream-full sdist clean host-setup
+.PHONY: venv test test-upstream-full sdist clean host-setup test-wheels
 
 venv: $(STAMP)
 
@@ -26,9 +26,19 @@ $(STAMP): $(LOCK) pyproject.toml
 sdist: venv
 	$(VENV)/bin/python -m transforms fetch --dest $(SDIST_DIR)
 
+# Wheels a test unpacks for one subprocess and never installs (requirements/test-wheels.txt): PyPI's
+# torchvision for testing/torchvision_shim.py. Downloaded once, pinned by hash.
+TEST_WHEELS := .cache/wheels
+TORCHVISION_WHEEL := $(TEST_WHEELS)/torchvision-0.28.0-cp311-cp311-manylinux_2_28_x86_64.whl
+test-wheels: $(TORCHVISION_WHEEL)
+
+$(TORCHVISION_WHEEL): requirements/test-wheels.txt | venv
+	$(VENV)/bin/pip download --disable-pip-version-check -q --no-deps --require-hashes \
+		-r requirements/test-wheels.txt -d $(TEST_WHEELS)
+
 # Two pytest processes side by side (tests/lanes.py): the image lane (tests/image_build, upstream's
 # tests on the transformed tree, the restore engine lives) and the rest.
-test: venv sdist docker-setup host-setup
+test: venv sdist test-wheels docker-setup host-setup
 	$(VENV)/bin/python -m tests.lanes $(PYTEST_ARGS)
 
 # What the host tests need beyond the venv and Docker (Debian's libfuse2 for tests/faultfs.py).
