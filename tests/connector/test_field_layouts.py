@@ -208,3 +208,33 @@ def test_torchvision_imports_through_the_shim_without_operators():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["refused", "NotImplementedError", "0.28.0+cu130", "False"]
+
+
+EXPECTED_KIND = {  # sparkcache's verdict for each model, the same on both halves
+    "deepseek-v3": ("attention", ""),
+    "glm5next": ("hybrid", ""),
+    "nemotronh-ngram": ("hybrid", ""),
+    "gemma3": ("unsupported", "--disable-hybrid-kv-cache-manager"),
+    "gpt-oss": ("unsupported", "--disable-hybrid-kv-cache-manager"),
+    "mistral": ("unsupported", "--disable-hybrid-kv-cache-manager"),
+    "glm5next-mtp": ("unsupported", "EAGLE / MTP"),
+}
+
+
+@pytest.mark.parametrize("name", list(FIELD_MODELS))
+def test_the_classifier_gives_both_halves_the_same_verdict_and_identity(name):
+    """``kv_layout.describe_kv_layout`` on the worker's config (``UniformTypeKVCacheSpecs``
+    everywhere) and the scheduler's (each group's first spec): one verdict, one description.
+    At 403da3e GLM-5.3's halves differed and everything but NemotronH was refused."""
+    from sparkcache.connector.kv_layout import describe_kv_layout
+
+    got = layout(name)
+    w, s = describe_kv_layout(got.worker), describe_kv_layout(got.scheduler)
+    assert (w.kind, w.page_groups, w.state_groups, w.unsupported) == \
+        (s.kind, s.page_groups, s.state_groups, s.unsupported)
+    assert w.description == s.description
+    kind, why = EXPECTED_KIND[name]
+    assert w.kind.value == kind, w.unsupported
+    assert why in w.unsupported
+    if name == "glm5next":  # KDA x3 state; the MLA latent with its indexer cache pages; no ring
+        assert (w.state_groups, w.page_groups) == ((0, 1, 2), (3,))
