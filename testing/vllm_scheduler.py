@@ -82,11 +82,14 @@ def make_scheduler(
     max_model_len: int = 65536,
     max_num_batched_tokens: int = 8192,
     tensor_parallel_size: int = 1,
+    kv_cache_config: Any = None,
 ):
     """vLLM's Scheduler over ``num_blocks`` blocks: full attention, plus a Mamba ("align") group
     when ``hybrid``; ``retention_interval`` 0 is production's prefix-cache retention (None: dense).
     ``kv_transfer``: ``KVTransferConfig`` fields (:func:`probe_connector`, :func:`sparkcache_connector`),
-    None for no connector."""
+    None for no connector. ``kv_cache_config``: instead of those groups, the scheduler's
+    ``KVCacheConfig`` vLLM built for a real model (``testing.field_layouts``), whose block size
+    and block count then win."""
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -94,6 +97,9 @@ def make_scheduler(
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    if kv_cache_config is not None:
+        num_blocks = int(kv_cache_config.num_blocks)
+        block_size = int(kv_cache_config.hash_block_size)
     model_config = ModelConfig(
         model=tiny_model_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len
     )
@@ -126,12 +132,13 @@ def make_scheduler(
                 MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"),
             )
         )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=groups,
-        prefix_cache_retention_interval=retention_interval,
-    )
+    if kv_cache_config is None:
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            prefix_cache_retention_interval=retention_interval,
+        )
     register_all_kvcache_specs(vllm_config)
     return Scheduler(
         vllm_config=vllm_config,

@@ -1,0 +1,149 @@
+"""The field's layouts stored and restored byte for byte, on vLLM 0.32.0's real ``Scheduler``
+with sparkcache's connector and its worker half on CPU tensors of exactly the specs vLLM builds
+for each model (``testing.field_layouts``: GLM-5.3 / Glm5Next, DeepSeek-V3's MLA, NemotronH with
+ngram speculative decoding). vLLM cannot run these forwards on a CPU; the forward here writes
+bytes determined by the tokens (``testing.field_worker``), so every placed byte is checked.
+
+Each model: a prompt is computed and its entry published (every group it stores: KDA states,
+the MLA latent with its indexer key cache, ...); a new scheduler and worker on the same root
+(a restart) offer it and place it, and every placed block and state equals what the forward
+wrote for those tokens. A missing object of any kind refuses the restore: nothing is placed, and
+vLLM recomputes. At 403da3e GLM-5.3 and DeepSeek-V3 were refused (nothing stored).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from testing.field_layouts import field_layout
+
+pytestmark = [pytest.mark.slow]
+
+PROMPT_BLOCKS = 3  # whole blocks before the prompt's tail
+
+
+def _setup(name: str, root, seed: int):
+    from sparkcache.settings import load_settings
+    from testing.field_worker import FieldWorker
+    from testing.vllm_scheduler import make_scheduler, sparkcache_connector
+
+    got = field_layout(name)
+    extra = {"root": str(root), "min_span_tokens": got.block_size,
+             "weights_fingerprint": f"field:{name}"}
+    hybrid = got.facts.get("mamba_cache_mode") == "align"
+    scheduler = make_scheduler(sparkcache_connector(extra), hybrid=hybrid, kv_cache_config=got.scheduler,
+                               max_model_len=8192, max_num_batched_tokens=8192)
+    settings = load_settings(env={}, extra_config=extra)
+    return got, scheduler, FieldWorker.start(scheduler, got.worker, settings, seed=seed)
+
+
+def _prompt(block_size: int, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(PROMPT_BLOCKS * block_size + block_size // 3 + 1)]
+
+
+def _check_placed(fw, tokens: list[int], plan) -> list[str]:
+    """Every block and state the load placed, compared with what the forward wrote."""
+    bs, wrong = fw.block_size, []
+    start = plan.start_block
+    layout = fw.worker.layout
+    end = start + len(plan.block_ids[layout.page_groups[0]])
+    for g in layout.page_groups:
+        for layer in fw.worker._layers(g):
+            for j in range(start, end):
+                if not fw.block(layer, plan.block_ids[g][j - start]).equal(
+                        fw.expected_block(tokens, layer, j, end * bs)):
+                    wrong.append(f"{layer} block {j}")
+    for g in layout.state_groups:
+        for layer in fw.worker._layers(g):
+            if not fw.block(layer, plan.block_ids[g][-1]).equal(fw.expected_state(tokens, layer, end * bs)):
+                wrong.append(f"{layer} state")
+    return wrong
+
+
+@pytest.mark.parametrize("name", ["glm5next", "deepseek-v3", "nemotronh-ngram"])
+def test_an_entry_of_every_group_is_placed_byte_for_byte_after_a_restart(name, tmp_path):
+    from testing.vllm_scheduler import make_request
+
+    root = tmp_path / "store"
+    got, scheduler, fw = _setup(name, root, seed=0)
+    bs = fw.block_size
+    tokens = _prompt(bs)
+    try:
+        fw.run(make_request("first", tokens, max_tokens=2, block_size=bs))
+    finally:
+        fw.close()
+    assert fw.counters.get("captures_published", 0) >= 1, fw.counters
+
+    # a restart: a new scheduler and worker, other tensors (other random bytes), the same root
+    _, scheduler, fw = _setup(name, root, seed=1)
+    seen: dict = {}
+    fw.before_load = lambda worker, plan: seen.setdefault("before", _check_placed(fw, tokens, plan))
+    fw.after_load = lambda worker, plan: seen.setdefault("after", _check_placed(fw, tokens, plan))
+    try:
+        fw.run(make_request("again", tokens, max_tokens=2, block_size=bs))
+    finally:
+        fw.close()
+    (placed,) = fw.placed
+    assert placed.ok, "the restore was refused"
+    assert placed.plan.start_block == 0 and len(placed.plan.keys) == PROMPT_BLOCKS
+    # before the load the destination held other bytes (so the comparison can fail) ...
+    assert len(seen["before"]) == sum(len(fw.worker._layers(g)) for g in fw.worker.layout.page_groups) \
+        * PROMPT_BLOCKS + len(fw.worker._state_layers())
+    # ... and after it every block of every stored layer and every state is the forward's
+    assert seen["after"] == []
+
+
+@pytest.mark.parametrize("how", ["removed", "flipped"])
+@pytest.mark.parametrize("kind", ["page", "state"])
+def test_a_missing_or_damaged_object_of_any_group_is_never_placed(kind, how, tmp_path):
+    """GLM-5.3: one object of the entry (a page: MLA latent + indexer key cache; or the state:
+    the KDA states) removed or with one byte flipped. A removed object is not offered; a damaged
+    one is offered, refused by its checksum, and nothing is placed: vLLM recomputes."""
+    from testing.vllm_scheduler import make_request
+
+    root = tmp_path / "store"
+    _, _, fw = _setup("glm5next", root, seed=0)
+    bs = fw.block_size
+    tokens = _prompt(bs)
+    try:
+        fw.run(make_request("first", tokens, max_tokens=2, block_size=bs))
+        state_bytes = sum(fw.worker.views[layer].block_bytes for _, layer in fw.worker._state_layers())
+    finally:
+        fw.close()
+    objects = sorted(p for p in (root / "default" / "objects").rglob("*") if p.is_file())
+    states = [p for p in objects if p.stat().st_size == state_bytes]
+    assert len(states) == 1 and len(objects) > 1, [p.stat().st_size for p in objects]
+    victim = states[0] if kind == "state" else next(p for p in objects if p not in states)
+    if how == "removed":
+        victim.unlink()
+    else:
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        victim.write_bytes(bytes(data))
+
+    _, scheduler, fw = _setup("glm5next", root, seed=1)
+    untouched: dict = {}
+    changed: list = []
+
+    def snapshot(worker, plan):
+        layout = worker.layout
+        untouched.update({(layer, b): fw.block(layer, b)
+                          for g in layout.page_groups + layout.state_groups
+                          for layer in worker._layers(g) for b in plan.block_ids[g]})
+
+    def compare(worker, plan):
+        changed.extend(k for k, before in untouched.items() if not fw.block(*k).equal(before))
+
+    fw.before_load, fw.after_load = snapshot, compare
+    request = make_request("again", tokens, max_tokens=2, block_size=bs)
+    try:
+        fw.run(request)
+    finally:
+        fw.close()
+    assert not any(p.ok for p in fw.placed)
+    if how == "flipped":  # offered, verified, refused: not one byte placed
+        assert fw.placed and untouched and changed == []
+    assert fw.counters.get("captures_published", 0) >= 1  # recomputed, and stored again
