@@ -122,6 +122,13 @@ FIELD_MODELS: dict[str, FieldModel] = {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_COMMON, **_HEADS,
         **_SLIDING, "intermediate_size": 256, "num_hidden_layers": 2, "query_pre_attn_scalar": 32,
         "torch_dtype": "float32"}, {"dtype": "float32", "block_size": 32, "load_format": "dummy"}),
+    # the same model with vLLM's hybrid KV cache manager off: what the refusal of the window tells
+    # operators to do (every block kept, the window inside a FullAttentionSpec)
+    "gemma3-no-hma": FieldModel("Gemma3ForCausalLM", {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_COMMON, **_HEADS,
+        **_SLIDING, "intermediate_size": 256, "num_hidden_layers": 2, "query_pre_attn_scalar": 32,
+        "torch_dtype": "float32"}, {"dtype": "float32", "block_size": 32, "load_format": "dummy",
+                                    "disable_hybrid_kv_cache_manager": True}),
     "gpt-oss": FieldModel("GptOssForCausalLM", {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **_COMMON, **_HEADS, **_SLIDING,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_local_experts": 4,

@@ -215,6 +215,7 @@ EXPECTED_KIND = {  # sparkcache's verdict for each model, the same on both halve
     "glm5next": ("hybrid", ""),
     "nemotronh-ngram": ("hybrid", ""),
     "gemma3": ("unsupported", "--disable-hybrid-kv-cache-manager"),
+    "gemma3-no-hma": ("attention", ""),  # the fix that refusal names
     "gpt-oss": ("unsupported", "--disable-hybrid-kv-cache-manager"),
     "mistral": ("unsupported", "--disable-hybrid-kv-cache-manager"),
     "glm5next-mtp": ("unsupported", "EAGLE / MTP"),
