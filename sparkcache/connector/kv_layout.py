@@ -92,8 +92,15 @@ def _plain(value: object) -> object:
 
 
 def _fields(spec: KVCacheSpec) -> dict[str, object]:
-    return {f.name: _plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)
-            if f.name != "kv_cache_specs"}
+    out = {f.name: _plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)
+           if f.name != "kv_cache_specs"}
+    for name, value in out.items():
+        if isinstance(value, str) and " at 0x" in value:  # an address: another in every process
+            raise ValueError(f"sparkcache: {type(spec).__name__}.{name}={value} has no stable text "
+                             "form for the store identity (the scheduler and the workers would "
+                             "disagree); fix: a vLLM whose spec fields are plain values, or "
+                             "SPARKCACHE_ACCESS_MODE=disabled")
+    return out
 
 
 def _layer_specs(spec: KVCacheSpec, layer_names: list[str]) -> list[KVCacheSpec]:

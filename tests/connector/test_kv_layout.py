@@ -149,3 +149,14 @@ def test_a_group_vllm_does_not_transfer_is_neither_stored_nor_refused():
         KVCacheGroupSpec(["a"], attn), KVCacheGroupSpec(["b"], attn, enable_kv_transfer=False)])
     layout = describe_kv_layout(config)
     assert layout.kind is LayoutKind.ATTENTION and layout.page_groups == (0,)
+
+
+def test_a_spec_field_without_a_stable_text_form_stops_startup():
+    """A field whose text is an address would give the scheduler and every worker another
+    identity: refused at startup, naming the field, rather than never finding an entry."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    odd = _replace(attn, block_stride_alignment=object())
+    with pytest.raises(ValueError, match="FullAttentionSpec.block_stride_alignment=.* no stable text form"):
+        describe_kv_layout(_one_group(odd))
