@@ -1,4 +1,5 @@
-"""Scheduler half: offers, load plans, capture decisions, delayed frees and attribution.
+"""Scheduler half: offers, load plans, capture decisions, delayed frees and attribution
+(the units of several ranks' shards are ``shard_units.ShardUnits``'s).
 
 Per request it keeps one ``_ReqState``. The flow:
 
@@ -30,7 +31,7 @@ Per request it keeps one ``_ReqState``. The flow:
   (``with_state``), and a load places pages to depth N and the state at N, or nothing.
 - ``has_pending_push_work``: true while a planned capture is not yet settled by every
   worker (published, failed or skipped: reported in the worker meta), a lone shard found
-  at a settlement awaits its removal (``_remove_shards``), or counters are waiting to be
+  at a settlement awaits its removal (``shard_units``), or counters are waiting to be
   taken. vLLM then keeps stepping an otherwise idle engine, and each step
   carries our stats to ``/metrics``; without it the numbers of the last request (the
   publication finishing after its last step, or attribution counted on an abort outside
@@ -42,11 +43,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
-from sparkcache.store.identity import entry_id_for
 from sparkcache.store.manifests import PageRef, pages_needed
-from sparkcache.store.units import incomplete_units
 
 if TYPE_CHECKING:  # for readers and type checkers; never imported at run time here
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,16 +61,12 @@ from .identity import AdapterFingerprints
 from .keys import BlockKeys, request_extra_keys
 from .kv_layout import KVLayout, LayoutKind
 from .samples import Samples, add_count
+from .shard_units import ShardUnits
 
 logger = logging.getLogger("sparkcache.connector")
 
 RESTORING_MODES = ("read-write", "restore-only")
 CAPTURING_MODES = ("read-write", "store-only")
-# A unit some of whose shards are younger than this may still be being written by its other
-# ranks (a publication takes well under it); ``reconcile_units`` leaves it alone.
-UNIT_GRACE_S = 10.0
-UNIT_RECONCILE_S = 60.0  # how often the scheduler looks for shards without their siblings
-LONE_RETRY_S = 0.05  # how often a lone shard's removal that found the store's lock held is retried
 
 
 @dataclass(frozen=True)
@@ -154,12 +149,6 @@ class SchedulerSide:
         # the store holding each rank's shards (one object for all when they share a root);
         # None: no store to read (disabled, or restore-only with nothing stored)
         self.stores = stores
-        self._shard_digests = tuple(i.digest() for i in identities)
-        self.capture_ends: dict[str, list[str]] = {}  # req_id -> last keys of its unsettled captures
-        self._next_reconcile = 0.0
-        # (rank, entry id) -> until when: lone shards whose removal found the store's lock held
-        self.lone_pending: dict[tuple[int, str], float] = {}
-        self._next_lone_retry = 0.0
         self._capture_sent: dict[str, float] = {}  # req_id -> when its last capture was planned
         self.samples = Samples()                    # capture waits, for the histogram
         self.block_size = block_size
@@ -177,6 +166,9 @@ class SchedulerSide:
         # workers report it (vLLM frees a request before it hands over the connector output)
         self.sync_unreported: dict[str, int] = {}
         self.counters = SchedulerCounters()
+        # several ranks' shards per entry: kept whole (None: one rank, or nothing to write)
+        self.units = (ShardUnits(identities, stores, self.counters)
+                      if len(identities) > 1 and self.mode in CAPTURING_MODES and stores else None)
         self.records: list[AttributionRecord] = []  # finished records (bounded)
         self.num_workers = 1                      # worker reports expected per capture plan
         self.settle_timeout_s = 120.0
@@ -327,14 +319,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> tuple[list[LoadPlan], list[CapturePlan]]:
-        if len(self.identities) > 1 and self.mode in CAPTURING_MODES and self.stores is not None:
-            now = time.monotonic()
-            if now >= self._next_reconcile:  # O(entries): once a minute, never per step
-                self._next_reconcile = now + UNIT_RECONCILE_S
-                self.reconcile_units()
-            if self.lone_pending and now >= self._next_lone_retry:
-                self._next_lone_retry = now + LONE_RETRY_S
-                self._remove_shards(list(self.lone_pending))
+        if self.units is not None:
+            self.units.tick()
         if self.hybrid:
             self._plan_state_captures(getattr(scheduler_output, "kv_connector_block_state", None))
         for new in scheduler_output.scheduled_new_reqs:
@@ -400,8 +386,8 @@ class SchedulerSide:
         self.captures_to_send.append(plan)
         owed, _ = self.unsettled.get(plan.req_id, (0, 0.0))
         self.unsettled[plan.req_id] = (owed + self.num_workers, time.monotonic() + self.settle_timeout_s)
-        if len(self.identities) > 1:
-            self.capture_ends.setdefault(plan.req_id, []).append(plan.keys[-1])
+        if self.units is not None:
+            self.units.planned(plan.req_id, plan.keys[-1])
         self._capture_sent[plan.req_id] = time.monotonic()
 
     def _admitted(self, req_id: str, num_computed: int, out: SchedulerOutput, resumed: bool) -> None:
@@ -471,67 +457,11 @@ class SchedulerSide:
                 self.unsettled[req_id] = (owed - 1, deadline)
             else:
                 self.unsettled.pop(req_id, None)
-                self._keep_whole_units(self.capture_ends.pop(req_id, ()))
+                if self.units is not None:
+                    self.units.settled(req_id)
                 sent = self._capture_sent.pop(req_id, None)
                 if sent is not None:
                     self.samples.add("capture_wait_seconds", time.monotonic() - sent)
-
-    def _keep_whole_units(self, last_keys: Iterable[str]) -> None:
-        """Every rank reported a request's captures settled: an entry that some ranks
-        published and another did not (its publication refused: over the cap, a full disk)
-        can never be restored, and would make the next capture skip the ranks that hold it.
-        Its published shards are removed now, so the next capture publishes every rank's;
-        not when another request's capture of the same entry is still in flight (it may be
-        writing the missing shard)."""
-        in_flight = {k for ends in self.capture_ends.values() for k in ends}
-        lone = []
-        for last in set(last_keys) - in_flight:
-            ids = [entry_id_for(d, last) for d in self._shard_digests]
-            held = [self.stores[r].entry(e) is not None for r, e in enumerate(ids)]
-            if any(held) and not all(held):
-                lone += [(r, e) for r, e in enumerate(ids) if held[r]]
-        if lone:
-            self._remove_shards(lone)
-
-    def reconcile_units(self, now: float | None = None) -> None:
-        """Remove this engine's entries that some rank's store holds and another's does not,
-        whatever left them (each rank's own maintenance when every rank has its own root, an
-        engine stopped between its ranks' publications, a removal that found the store's
-        lock held): published more than ``UNIT_GRACE_S`` ago and not a capture this
-        scheduler still waits for, so a unit whose other shards are being written (here or
-        by another engine on the same root) is left alone. ``build_meta`` runs it every
-        ``UNIT_RECONCILE_S`` while the engine steps (a capturing mode, two or more ranks)."""
-        now = time.time() if now is None else now
-        in_flight = {k for ends in self.capture_ends.values() for k in ends}
-        ours = set(self.identities)
-        entries = {e.entry_id: e for store in dict.fromkeys(self.stores) for e in store.entries()
-                   if e.manifest.identity in ours}
-        lone = []
-        for unit in incomplete_units(entries.values(), len(self.identities)):
-            shards = [entries[i] for i in unit.entry_ids]
-            if (unit.last_block_key not in in_flight
-                    and now - max(e.manifest.created_at for e in shards) >= UNIT_GRACE_S):
-                lone += [(e.manifest.identity.tp_rank, e.entry_id) for e in shards]
-        if lone:
-            self._remove_shards(lone)
-
-    def _remove_shards(self, shards: list[tuple[int, str]]) -> None:
-        """Remove (rank, entry id) shards, one batch per store. What a store cannot remove now
-        (maintenance holds its lock, a reader pins it) is retried every ``LONE_RETRY_S``
-        while ``has_pending_push_work`` keeps vLLM stepping, for up to ``UNIT_GRACE_S``;
-        after that the next reconciliation finds it."""
-        by_store: dict[PageStore, list[tuple[int, str]]] = {}
-        for shard in shards:
-            by_store.setdefault(self.stores[shard[0]], []).append(shard)
-        until = time.monotonic() + UNIT_GRACE_S
-        for store, batch in by_store.items():
-            removed = set(store.discard([entry_id for _, entry_id in batch]))
-            self.counters.add("lone_shards_removed", len(removed))
-            for shard in batch:
-                if shard[1] in removed or store.entry(shard[1]) is None:
-                    self.lone_pending.pop(shard, None)
-                else:
-                    self.lone_pending.setdefault(shard, until)
 
     def _count_restore(self, ok: bool, tokens: int) -> None:
         """One request's restore, counted once: vLLM reports it (the union of every rank's
@@ -598,21 +528,17 @@ class SchedulerSide:
         """Keep vLLM stepping until every planned capture settled, every lone shard found at
         the settlement is removed (or its retries ended) and counters were taken."""
         now = time.monotonic() if now is None else now
-        for shard, until in list(self.lone_pending.items()):
-            if now > until:  # a lock that is never let go must not keep the engine busy forever
-                logger.warning("sparkcache: could not remove rank %d's shard %s for %.0f s (the "
-                               "store's lock held, or a reader pins it); the next reconciliation "
-                               "will", shard[0], shard[1], UNIT_GRACE_S)
-                del self.lone_pending[shard]
+        lone = self.units is not None and self.units.pending(now)
         if self.unsettled:
             for req_id, (_, deadline) in list(self.unsettled.items()):
                 if now > deadline:  # a lost report must not keep the engine busy forever
                     logger.warning("sparkcache: no publication report for %s after %.0f s; "
                                    "not waiting for it", req_id, self.settle_timeout_s)
                     del self.unsettled[req_id]
-                    self.capture_ends.pop(req_id, None)
+                    if self.units is not None:
+                        self.units.dropped(req_id)
                     self._capture_sent.pop(req_id, None)
-        return bool(self.unsettled or self.counters.data or self.lone_pending)
+        return bool(self.unsettled or self.counters.data or lone)
 
     def take_counters(self) -> dict:
         data, self.counters.data = self.counters.data, {}

@@ -171,7 +171,7 @@ def test_a_shard_the_store_cannot_remove_now_keeps_the_engine_stepping_until_it_
     not outlive its request's settlement by more than the lock's hold."""
     import time
 
-    from sparkcache.connector.scheduler_side import LONE_RETRY_S
+    from sparkcache.connector.shard_units import LONE_RETRY_S
     from sparkcache.store.locks import exclusive_lock
 
     s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
@@ -198,7 +198,7 @@ def test_a_shard_still_locked_when_its_retries_end_is_found_by_the_next_reconcil
     forever: the retries end after the grace, and the periodic reconciliation removes it."""
     import time
 
-    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
+    from sparkcache.connector.shard_units import UNIT_GRACE_S
     from sparkcache.store.locks import exclusive_lock
 
     s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
@@ -212,7 +212,7 @@ def test_a_shard_still_locked_when_its_retries_end_is_found_by_the_next_reconcil
         side.take_counters()
         assert not side.has_pending_push_work(now=time.monotonic() + UNIT_GRACE_S + 1)
         assert _stored(s) == [(0, len(plan.keys))]
-    side.reconcile_units(now=time.time() + UNIT_GRACE_S)
+    side.units.reconcile(now=time.time() + UNIT_GRACE_S)
     assert _stored(s) == []
 
 
@@ -222,7 +222,7 @@ def test_a_lone_shard_another_request_still_captures_is_left_to_it(tmp_path):
     settle check and by the reconciliation, until the second settles."""
     import time
 
-    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
+    from sparkcache.connector.shard_units import UNIT_GRACE_S
 
     s = make_scheduler(str(tmp_path), tensor_parallel_size=2, hybrid=False)
     side = s.connector._sched
@@ -235,7 +235,7 @@ def test_a_lone_shard_another_request_still_captures_is_left_to_it(tmp_path):
     pages = [b"p" * 64] * (-(-len(keys) // side.bpp))
     assert side.store.publish(side.identities[0], keys, pages).ok
     step(s, settled=["a", "a"])                 # a settled; b still in flight
-    side.reconcile_units(now=time.time() + UNIT_GRACE_S)
+    side.units.reconcile(now=time.time() + UNIT_GRACE_S)
     assert _stored(s) == [(0, len(keys))]
     step(s, settled=["b", "b"])                 # b settled without rank 1's shard either
     assert _stored(s) == []
@@ -262,7 +262,7 @@ def test_shards_whose_siblings_are_gone_are_removed_after_a_grace(tmp_path, per_
     capture the scheduler waits for; whole units, and other engines' entries, stay."""
     import time
 
-    from sparkcache.connector.scheduler_side import UNIT_GRACE_S
+    from sparkcache.connector.shard_units import UNIT_GRACE_S
 
     root = str(tmp_path / "rank{rank}") if per_rank_root else str(tmp_path)
     s = make_scheduler(root, tensor_parallel_size=2, hybrid=False, extra={"root": root})
@@ -273,8 +273,8 @@ def test_shards_whose_siblings_are_gone_are_removed_after_a_grace(tmp_path, per_
     other = dataclasses.replace(side.identities[0], parallel='{"tensor_parallel_size":4}')
     keys = BlockKeys(BS).upto(lone, 12)
     assert side.stores[0].publish(other, keys, [b"o" * 64]).ok  # another engine's rank 0: not ours
-    side.reconcile_units(now=time.time())    # younger than the grace: left alone
+    side.units.reconcile(now=time.time())    # younger than the grace: left alone
     assert len(_stored(s)) == 4
-    side.reconcile_units(now=time.time() + UNIT_GRACE_S + 1)
+    side.units.reconcile(now=time.time() + UNIT_GRACE_S + 1)
     assert _stored(s) == [(0, 12), (0, 12), (1, 12)]  # whole's two shards, the other engine's
     assert side.take_counters()["lone_shards_removed"] == 1
