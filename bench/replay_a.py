@@ -70,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
     a("--kv-pool-tokens", type=int, default=None,
       help="explicit GPU KV pool in tokens, overrides --kv-pool-headroom (Report A 4.32M / 32 = 135000)")
     a("--block-size", type=int, default=16)
+    a("--layout", choices=("hybrid", "glm5next"), default="hybrid",
+      help="the KV cache groups vLLM's scheduler gets: hybrid (full attention + one Mamba 'align' "
+      "group, default) or glm5next (GLM-5.3's as vLLM 0.32.0 builds them, testing/field_layouts.py: "
+      "3 KDA groups, MLA + indexer, the tail ring; at --block-size)")
     a("--lease-seconds", type=float, default=300.0)
     a("--duration", type=float, default=2400.0, help="simulated seconds in which turns start")
     a("--restart-at", type=float, default=None, help="simulated engine restart (empty GPU cache, same store)")
@@ -148,7 +152,9 @@ def config_from(args: argparse.Namespace) -> dict:
                          "lower --start-tokens or --new-conversation-after")
     # One request holds its whole context in the pool (attention blocks, plus its recurrent state
     # blocks): a longer one waits forever in vLLM, so refuse the configuration before any work.
-    need = (-(-longest // cfg["block_size"]) + MAMBA_BLOCKS_PER_REQUEST) * cfg["block_size"]
+    recurrent_groups = 3 if cfg.get("layout") == "glm5next" else 1  # + GLM's ring: one block
+    need = (-(-longest // cfg["block_size"]) + MAMBA_BLOCKS_PER_REQUEST * recurrent_groups
+            + (cfg.get("layout") == "glm5next")) * cfg["block_size"]
     if need > cfg["kv_pool_tokens"]:
         raise SystemExit(f"--kv-pool-tokens {cfg['kv_pool_tokens']} (from --kv-pool-headroom "
                          f"{cfg['kv_pool_headroom']} x --kv-pool-basis {cfg['kv_pool_basis']} unless "

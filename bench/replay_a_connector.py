@@ -103,15 +103,19 @@ class ReplayContext:
 
 def _resident_snapshot(scheduler, request, block_size: int) -> dict:
     """Which of the prompt's blocks vLLM's block pool holds right now, per group."""
+    from sparkcache.connector.kv_layout import describe_kv_layout
+
     pool = scheduler.kv_cache_manager.block_pool
+    layout = describe_kv_layout(scheduler.kv_cache_config)  # which groups are attention, which state
     n = (request.num_prompt_tokens - 1) // block_size
     hashes = request.block_hashes[:n]
     attn_depth = 0
     for h in hashes:
-        if not pool.get_cached_block(h, [0]):
+        if not pool.get_cached_block(h, list(layout.page_groups)):
             break
         attn_depth += 1
-    mamba_at = {i + 1 for i, h in enumerate(hashes) if pool.get_cached_block(h, [1])}
+    # a local hit at a boundary needs every recurrent group's state there
+    mamba_at = {i + 1 for i, h in enumerate(hashes) if pool.get_cached_block(h, list(layout.state_groups))}
     return {"attn_tokens": attn_depth * block_size, "mamba_blocks": mamba_at}
 
 

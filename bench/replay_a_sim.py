@@ -57,9 +57,16 @@ def make_scheduler(cfg: dict, extra: dict, store_root: Path):
     from testing.vllm_scheduler import make_scheduler as make_vllm_scheduler
 
     bs = cfg["block_size"]
-    scheduler = make_vllm_scheduler(connector_config(cfg, extra, store_root), num_blocks=cfg["kv_pool_tokens"] // bs,
+    num_blocks = cfg["kv_pool_tokens"] // bs
+    groups = None  # the replay's own: full attention + one Mamba "align" group
+    if cfg.get("layout", "hybrid") == "glm5next":
+        from testing.field_layouts import scheduler_config_at
+
+        groups = scheduler_config_at("glm5next", bs, num_blocks)
+    scheduler = make_vllm_scheduler(connector_config(cfg, extra, store_root), num_blocks=num_blocks,
                                     block_size=bs, max_model_len=cfg["max_model_len"],
-                                    max_num_batched_tokens=cfg["max_num_batched_tokens"])  # hybrid, retention 0
+                                    max_num_batched_tokens=cfg["max_num_batched_tokens"],
+                                    kv_cache_config=groups)  # hybrid, retention 0
     leases = getattr(scheduler, "sparkcache_leases", None)  # None: untransformed, or no lease key
     if leases is not None:
         leases.now = lambda: rc.CONTEXT.now  # leases run on the simulated clock

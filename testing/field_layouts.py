@@ -442,6 +442,29 @@ def _run_subprocess(name: str, directory: str, out: Path, timeout: int) -> None:
     os.replace(tmp_out, out)
 
 
+def scheduler_config_at(name: str, block_size: int, num_blocks: int):
+    """``name``'s scheduler ``KVCacheConfig`` with its groups (their spec types and every other
+    field) as vLLM built them, at another block size and block count: what a simulation at its
+    own scale (Replay A's ``--layout``) hands vLLM's ``Scheduler``. A ring
+    (``CircularBufferSpec``) keeps its size, which the block size must be a multiple of."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    config = copy.deepcopy(field_layout(name).scheduler)
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, CircularBufferSpec):
+            if block_size % spec.block_size:
+                raise ValueError(f"{name}: block size {block_size} is not a multiple of its ring "
+                                 f"({spec.block_size} tokens)")
+            continue
+        group.kv_cache_spec = dataclasses.replace(spec, block_size=block_size)
+    config.num_blocks, config.kv_cache_tensors = num_blocks, []
+    config.hash_block_size = config.cache_hit_alignment_tokens = block_size
+    return config
+
+
 def describe(layout: FieldLayout) -> str:
     """Human-readable groups of both configs."""
     lines = [f"{layout.name} ({layout.architecture}): block {layout.block_size}, scheduler's config from "

@@ -96,6 +96,19 @@ def test_real_connector_scheduler_side_rescues_after_restart(tmp_path):
     assert rw["avoidable_external_tokens"] == 0, rw
 
 
+def test_glm5next_layout_rescues_after_restart_with_the_real_scheduler_side(tmp_path):
+    """``--layout glm5next``: vLLM's scheduler gets GLM-5.3's groups as vLLM 0.32.0 builds them
+    (3 KDA, MLA + indexer, the tail ring: ``testing/field_layouts.py``) at the replay's block
+    size; the real scheduler side stores and offers them (at 403da3e: refused, nothing stored)."""
+    summary = replay_a.run(["--out", str(tmp_path), "--connector", "sparkcache", "--arms", "read-write",
+                            "--layout", "glm5next", "--restart-at", "450", *SMALL])
+    rw = summary["arms"]["read-write"]
+    assert rw["restarts"] == 1 and rw["captures"] > 0
+    assert rw["failed_restore_reads"] == 0 and rw["publish_failures"] == 0
+    assert rw["rescued_turns"] > 0, rw
+    assert rw["avoidable_external_tokens"] == 0, rw
+
+
 def test_read_write_rescues_evicted_turns(normal):
     summary, _ = normal
     rw = summary["arms"]["read-write"]
