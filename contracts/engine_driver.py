@@ -14,7 +14,8 @@ enabled for the engine life with ``"lora": {"max_lora_rank": 8, "max_loras": 2}`
 optional, defaults shown), e.g. with an adapter from ``testing.tinymodel.make_tiny_lora``;
 with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
 sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`` (e.g.
-``"align"``) is passed to vLLM for hybrid models; ``"logprobs": true`` reports each output
+``"align"``) is passed to vLLM for hybrid models, ``"attention_backend"`` (e.g. ``"CPU_MLA"``)
+too; ``"logprobs": true`` reports each output
 token's logprob; ``"enforce_eager": true`` runs without torch.compile (the host tests' engine lives
 do: compiling is slow on a CPU and changes nothing the connector does; docs/RESULTS.md,
 "Measurements behind the code"; the image's contract and ``vllm serve`` in the serve tests run compiled, as operators do); ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
@@ -84,12 +85,14 @@ def run(cfg: dict) -> dict:
         lora_kwargs = {"enable_lora": True, "max_lora_rank": lora.get("max_lora_rank", 8),
                        "max_loras": lora.get("max_loras", 2)}
     t0 = time.monotonic()
-    hybrid_kwargs = {"mamba_cache_mode": cfg["mamba_cache_mode"]} if cfg.get("mamba_cache_mode") else {}
+    engine_kwargs = {"mamba_cache_mode": cfg["mamba_cache_mode"]} if cfg.get("mamba_cache_mode") else {}
+    if cfg.get("attention_backend"):
+        engine_kwargs["attention_backend"] = cfg["attention_backend"]
     llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enable_prefix_caching=True,
               max_model_len=cfg.get("max_model_len", 4096), block_size=cfg.get("block_size", 32),
               kv_transfer_config=kvt, disable_log_stats=False, seed=0,
               max_num_batched_tokens=cfg.get("max_num_batched_tokens", 4096), **lora_kwargs,
-              **hybrid_kwargs, tensor_parallel_size=cfg.get("tensor_parallel_size", 1),
+              **engine_kwargs, tensor_parallel_size=cfg.get("tensor_parallel_size", 1),
               enforce_eager=cfg.get("enforce_eager", False))
     startup_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=cfg.get("max_tokens", 16), temperature=0.0, ignore_eos=True,
