@@ -120,23 +120,39 @@ def _first_spec(spec: KVCacheSpec) -> KVCacheSpec:
     return spec
 
 
-def _role(spec: KVCacheSpec) -> tuple[GroupRole, str]:
-    """A layer's role by its spec's exact type, and why when refused."""
+# GLM-5.3's indexer tail ring (``models/glm5next``): the one ring whose reading sparkcache has
+# followed in vLLM's code (``_role``); another model's ring may hold what a resumed request reads.
+TAIL_RING_SUFFIX = ".indexer.tail_cache"
+
+
+def _role(spec: KVCacheSpec, layer: str, block_size: int | None) -> tuple[GroupRole, str]:
+    """A layer's role by its spec's exact type, and why when refused. ``block_size``: the
+    engine's (every stored group's block must be it: a boundary is a column of every table)."""
     from vllm.v1 import kv_cache_interface as k
 
     kind = type(spec).__name__
+    stored_size_ok = block_size is None or spec.block_size == block_size
     if type(spec) in (k.FullAttentionSpec, k.MLAAttentionSpec):
         # With a sliding window but a full-attention spec (HMA off, or page sizes that could
         # not be unified), vLLM keeps and hashes every block: pages like any other.
         if spec.attention_chunk_size:
             return GroupRole.REFUSED, (f"{kind} with chunked local attention; sparkcache does "
                                        "not store it")
+        if spec.non_causal:  # a prefix's KV depends on the tokens after it (prefix-LM attention)
+            return GroupRole.REFUSED, (f"{kind} with non-causal attention: a prefix's KV depends "
+                                       "on what follows it, so it is never reused")
+        if not stored_size_ok:
+            return GroupRole.REFUSED, (f"{kind} in blocks of {spec.block_size} tokens, not the "
+                                       f"engine's {block_size}")
         return GroupRole.PAGES, ""
     if type(spec) is k.MambaSpec:
         if spec.mamba_cache_mode != "align":
             return GroupRole.REFUSED, (f"recurrent with mamba_cache_mode={spec.mamba_cache_mode!r}; "
                                        "sparkcache stores recurrent state only in 'align' mode "
                                        "(--mamba-cache-mode align)")
+        if not stored_size_ok:  # its state would be looked for in another column
+            return GroupRole.REFUSED, (f"recurrent in blocks of {spec.block_size} tokens, not the "
+                                       f"engine's {block_size} (leave --mamba-block-size unset)")
         # Speculative blocks are scratch after the running column; the state at boundary
         # m * block_size is always in column m - 1, where vLLM offers and reads it.
         return GroupRole.STATE, ""
@@ -145,7 +161,11 @@ def _role(spec: KVCacheSpec) -> tuple[GroupRole, str]:
         # At a boundary that is a multiple of the block size (a multiple of the ring, itself
         # a multiple of the pool) every pool is complete and compressed into the indexer's
         # key cache; a resumed prefill starts pool-aligned and reads no ring slot before it.
-        return GroupRole.NOT_NEEDED, ""
+        if layer.endswith(TAIL_RING_SUFFIX) and (block_size is None or block_size % spec.block_size == 0):
+            return GroupRole.NOT_NEEDED, ""
+        return GroupRole.REFUSED, (f"{kind} of {layer}, a ring sparkcache does not know (only "
+                                   "GLM-5.3's indexer tail ring, at a block size that is a multiple "
+                                   "of it, is known not to be read at a block boundary)")
     if isinstance(spec, k.SlidingWindowSpec):
         return GroupRole.REFUSED, (f"{kind} (window {spec.sliding_window}): vLLM frees the blocks "
                                    "outside the window as a request runs; sparkcache does not "
@@ -168,7 +188,10 @@ def _group_problem(group: KVCacheGroupSpec) -> str:
     return ""
 
 
-def describe_kv_layout(kv_cache_config: KVCacheConfig) -> KVLayout:
+def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = None) -> KVLayout:
+    """``block_size``: the engine's (``cache_config.block_size``); a stored group in blocks of
+    another size is refused. Raises ``ValueError`` for a group whose layers would be stored
+    differently: the scheduler sees only its first layer and would decide otherwise."""
     groups = []
     pages: list[int] = []
     states: list[int] = []
@@ -176,12 +199,14 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig) -> KVLayout:
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         names = list(g.layer_names)
         first = _first_spec(g.kv_cache_spec)
-        verdicts = {_role(s) for s in _layer_specs(g.kv_cache_spec, names)}
+        verdicts = {_role(s, n, block_size) for s, n in zip(_layer_specs(g.kv_cache_spec, names), names)}
         roles = {r for r, _ in verdicts}
         if len(roles) > 1:
-            problems.append(f"group {i} ({names[0]}, ...) mixes layers of different kinds "
-                            f"({', '.join(sorted(r.value for r in roles))}); sparkcache refuses it")
-        role = roles.pop() if len(roles) == 1 else GroupRole.REFUSED
+            raise ValueError(f"sparkcache: KV cache group {i} ({', '.join(names)}) mixes layers "
+                             f"sparkcache would store differently ({', '.join(sorted(r.value for r in roles))}); "
+                             "the scheduler sees only its first layer, so it would decide otherwise "
+                             "than the workers. Fix: SPARKCACHE_ACCESS_MODE=disabled for this model")
+        (role,) = roles
         if not g.enable_kv_transfer:
             role = GroupRole.NOT_NEEDED  # vLLM rebuilds it from its source group after a load
         elif role is not GroupRole.REFUSED and _group_problem(g):

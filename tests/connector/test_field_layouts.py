@@ -230,7 +230,7 @@ def test_the_classifier_gives_both_halves_the_same_verdict_and_identity(name):
     from sparkcache.connector.kv_layout import describe_kv_layout
 
     got = layout(name)
-    w, s = describe_kv_layout(got.worker), describe_kv_layout(got.scheduler)
+    w, s = describe_kv_layout(got.worker, got.block_size), describe_kv_layout(got.scheduler, got.block_size)
     assert (w.kind, w.page_groups, w.state_groups, w.unsupported) == \
         (s.kind, s.page_groups, s.state_groups, s.unsupported)
     assert w.description == s.description

@@ -87,8 +87,9 @@ def test_identity_differs_when_page_bytes_could(model_copy, baseline, change, mo
         setattr(vllm_config.model_config, change, "transformers" if change == "model_impl" else "v2")
     elif change == "model_loader_extra_config":
         vllm_config.load_config.model_loader_extra_config = {"enable_multithread_load": True}
-    elif change == "block_size":
+    elif change == "block_size":  # as vLLM builds it: the engine's and the spec's block alike
         vllm_config.cache_config.block_size = 16
+        object.__setattr__(kv.kv_cache_groups[0].kv_cache_spec, "block_size", 16)
     elif change == "key_scheme":
         import sparkcache.connector.identity as ident
 

@@ -45,7 +45,7 @@ def _glm_like(kda=None, indexer=None, latent=None, ring=None, eagle=False):
     assert mixed is not None  # vLLM merges the two into one group, as it does for the model
     groups = [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], kda) for i in range(3)]
     groups += [KVCacheGroupSpec(list(mixed.kv_cache_specs), mixed, is_eagle_group=eagle),
-               KVCacheGroupSpec(["model.layers.3.self_attn.tail"], ring)]
+               KVCacheGroupSpec(["model.layers.3.self_attn.indexer.tail_cache"], ring)]
     worker = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
     worker.kv_cache_layout = "BLHNC"
     return worker, generate_scheduler_kv_cache_config([worker])
@@ -54,7 +54,7 @@ def _glm_like(kda=None, indexer=None, latent=None, ring=None, eagle=False):
 def test_a_group_mixing_mla_and_its_indexer_is_the_same_layout_on_both_halves():
     worker, scheduler = _glm_like()
     assert type(scheduler.kv_cache_groups[3].kv_cache_spec).__name__ == "MLAAttentionSpec"  # the indexer's
-    w, s = describe_kv_layout(worker), describe_kv_layout(scheduler)
+    w, s = describe_kv_layout(worker, B), describe_kv_layout(scheduler, B)
     assert w.kind is s.kind is LayoutKind.HYBRID, (w.unsupported, s.unsupported)
     assert w.description == s.description
     assert w.page_groups == s.page_groups == (3,)      # MLA latent + indexer key cache
@@ -160,3 +160,50 @@ def test_a_spec_field_without_a_stable_text_form_stops_startup():
     odd = _replace(attn, block_stride_alignment=object())
     with pytest.raises(ValueError, match="FullAttentionSpec.block_stride_alignment=.* no stable text form"):
         describe_kv_layout(_one_group(odd))
+
+
+def test_non_causal_attention_is_refused():
+    """Prefix-LM attention: a prefix's KV depends on the tokens after it (vLLM turns its own
+    prefix caching off for it); restoring it under another suffix would serve wrong bytes."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, non_causal=True)
+    layout = describe_kv_layout(_one_group(attn))
+    assert layout.kind is LayoutKind.UNSUPPORTED and "non-causal" in layout.unsupported
+
+
+def test_a_stored_group_in_blocks_of_another_size_is_refused():
+    """A boundary is one column of every group's table: a recurrent group in bigger blocks
+    (--mamba-block-size) would have its state looked for in another column."""
+    kda = _replace(_specs()[0], block_size=2 * B)
+    layout = describe_kv_layout(_glm_like(kda=kda)[1], B)
+    assert layout.kind is LayoutKind.UNSUPPORTED and f"not the engine's {B}" in layout.unsupported
+    assert describe_kv_layout(_glm_like()[1], B).kind is LayoutKind.HYBRID
+
+
+def test_a_ring_sparkcache_does_not_know_is_refused():
+    from vllm.v1.kv_cache_interface import (CircularBufferSpec, FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec)
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    ring = CircularBufferSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    for layer, kind in (("model.layers.0.attn.compressor.state", LayoutKind.UNSUPPORTED),
+                        ("model.layers.0.self_attn.indexer.tail_cache", LayoutKind.ATTENTION)):
+        config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.attn"], attn), KVCacheGroupSpec([layer], ring)])
+        assert describe_kv_layout(config, 32).kind is kind, layer
+
+
+def test_a_group_whose_layers_would_be_stored_differently_stops_startup():
+    """The scheduler sees a mixed group's first layer only: a second layer sparkcache would
+    refuse must not leave the workers refusing what the scheduler offers."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            UniformTypeKVCacheSpecs)
+
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    mixed = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={
+        "model.layers.0.attn": attn, "model.layers.1.attn": _replace(attn, non_causal=True)})
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(list(mixed.kv_cache_specs), mixed)])
+    with pytest.raises(ValueError, match="group 0 .* mixes layers .* Fix: SPARKCACHE_ACCESS_MODE=disabled"):
+        describe_kv_layout(config, 32)
