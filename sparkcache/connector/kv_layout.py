@@ -103,12 +103,13 @@ def _fields(spec: KVCacheSpec) -> dict[str, object]:
     return out
 
 
-def _layer_specs(spec: KVCacheSpec, layer_names: list[str]) -> list[KVCacheSpec]:
+def _layer_specs(spec: KVCacheSpec, layer_names: list[str]) -> list[tuple[str, KVCacheSpec]]:
+    """(layer, spec) of every layer of a group."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
     if isinstance(spec, UniformTypeKVCacheSpecs):
-        return list(spec.kv_cache_specs.values())
-    return [spec] * len(layer_names)
+        return list(spec.kv_cache_specs.items())
+    return [(name, spec) for name in layer_names]
 
 
 def _first_spec(spec: KVCacheSpec) -> KVCacheSpec:
@@ -199,7 +200,7 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = 
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         names = list(g.layer_names)
         first = _first_spec(g.kv_cache_spec)
-        verdicts = {_role(s, n, block_size) for s, n in zip(_layer_specs(g.kv_cache_spec, names), names)}
+        verdicts = {_role(spec, layer, block_size) for layer, spec in _layer_specs(g.kv_cache_spec, names)}
         roles = {r for r, _ in verdicts}
         if len(roles) > 1:
             raise ValueError(f"sparkcache: KV cache group {i} ({', '.join(names)}) mixes layers "
