@@ -15,7 +15,8 @@ optional, defaults shown), e.g. with an adapter from ``testing.tinymodel.make_ti
 with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
 sets ``kv_load_failure_policy`` (default ``"recompute"``); ``"mamba_cache_mode"`` (e.g.
 ``"align"``) is passed to vLLM for hybrid models, ``"attention_backend"`` (e.g. ``"CPU_MLA"``)
-too; ``"logprobs": true`` reports each output
+and ``"disable_hybrid_kv_cache_manager": true`` (sliding-window models: one full-attention
+group that keeps every block) too; ``"logprobs": true`` reports each output
 token's logprob; ``"enforce_eager": true`` runs without torch.compile (the host tests' engine lives
 do: compiling is slow on a CPU and changes nothing the connector does; docs/RESULTS.md,
 "Measurements behind the code"; the image's contract and ``vllm serve`` in the serve tests run compiled, as operators do); ``"tensor_parallel_size"`` (default 1) runs that many ranks, one worker
@@ -88,6 +89,8 @@ def run(cfg: dict) -> dict:
     engine_kwargs = {"mamba_cache_mode": cfg["mamba_cache_mode"]} if cfg.get("mamba_cache_mode") else {}
     if cfg.get("attention_backend"):
         engine_kwargs["attention_backend"] = cfg["attention_backend"]
+    if cfg.get("disable_hybrid_kv_cache_manager"):  # sliding-window models: every block kept
+        engine_kwargs["disable_hybrid_kv_cache_manager"] = True
     llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enable_prefix_caching=True,
               max_model_len=cfg.get("max_model_len", 4096), block_size=cfg.get("block_size", 32),
               kv_transfer_config=kvt, disable_log_stats=False, seed=0,

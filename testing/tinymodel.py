@@ -32,7 +32,7 @@ default, on q/k/v/o of every layer) for such a model, cached the same way; its `
 far from zero (PEFT initialises it to zero), so adapters of different seeds change greedy
 outputs visibly, and differently.
 
-Usage: ``python -m testing.tinymodel [tiny|bench|hybrid|granite|bench-hybrid|deepseek-v3]`` prints the directory;
+Usage: ``python -m testing.tinymodel [tiny|bench|hybrid|granite|bench-hybrid|deepseek-v3|gemma3|gpt-oss|mistral]`` prints the directory;
 ``python -m testing.tinymodel lora [SEED]`` prints a LoRA adapter's directory for ``TINY``.
 """
 
@@ -369,33 +369,32 @@ def _write_hybrid(spec: HybridSpec, tmp: Path) -> None:
 
 
 
-def make_tiny_deepseek_v3(seed: int = 0, initializer_range: float = 0.1,
+def make_tiny_field_model(name: str, seed: int = 0, initializer_range: float = 0.1,
                           cache_dir: str | os.PathLike | None = None) -> str:
-    """Tiny DeepSeek-V3 (MLA) with real random weights: ``testing.field_layouts``' recipe
-    ``deepseek-v3`` (its ``config.json``: vocab 512, hidden 128, 2 dense layers, 4 heads,
-    q_lora 64, kv_lora 512, rope 64, nope 32, v 32, fp32), the weights from transformers' own
-    ``DeepseekV3ForCausalLM`` initialisation after ``torch.manual_seed(seed)`` (normal with
-    std ``initializer_range``, norms at one), saved as safetensors; the field recipe's own
-    directory has no weights (``load_format="dummy"``, whose tiny weights make greedy output
-    insensitive to the KV cache). At transformers' default range (0.02) the next-token
-    distribution is near uniform and greedy output repeats one token; at 0.1 it varies and
-    follows the context. Built once, then reused. Returns its path."""
+    """A field recipe of ``testing.field_layouts`` (``deepseek-v3``: MLA; ``gemma3``,
+    ``gpt-oss``, ``mistral``: sliding windows) with real random weights: the recipe's
+    ``config.json``, the weights from transformers' own initialisation of that architecture after
+    ``torch.manual_seed(seed)`` (normal with std ``initializer_range``, norms at one), saved as
+    safetensors; the recipe's own directory has no weights (``load_format="dummy"``, whose tiny
+    weights make greedy output insensitive to the KV cache). At transformers' default range
+    (0.02) DeepSeek-V3's next-token distribution is near uniform and greedy output repeats one
+    token; at 0.1 it varies and follows the context. Built once, then reused. Returns its path."""
     from testing.field_layouts import FIELD_MODELS
 
-    config = {**FIELD_MODELS["deepseek-v3"].hf_config, "initializer_range": initializer_range}
+    config = {**FIELD_MODELS[name].hf_config, "initializer_range": initializer_range}
     text = json.dumps({"config": config, "seed": seed}, sort_keys=True)
-    key = hashlib.sha256((text + "|deepseek-v3-v1").encode()).hexdigest()[:16]
+    key = hashlib.sha256((text + f"|{name}-v1").encode()).hexdigest()[:16]
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return _build_once(base / f"deepseek-v3-{config['hidden_size']}h{config['num_hidden_layers']}l-{key}",
-                       text, lambda tmp: _write_deepseek_v3(config, seed, tmp))
+    return _build_once(base / f"{name}-{config['hidden_size']}h{config['num_hidden_layers']}l-{key}",
+                       text, lambda tmp: _write_field_model(config, seed, tmp))
 
 
-def _write_deepseek_v3(config: dict, seed: int, tmp: Path) -> None:
+def _write_field_model(config: dict, seed: int, tmp: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = DeepseekV3Config(**{k: v for k, v in config.items()
-                             if k not in ("architectures", "model_type", "torch_dtype")})
+    hf = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items()
+                                                      if k not in ("architectures", "model_type", "torch_dtype")})
     hf.architectures = list(config["architectures"])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf, dtype=getattr(torch, config["torch_dtype"]))
@@ -409,8 +408,8 @@ if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "tiny"
     if which == "lora":
         print(make_tiny_lora(make_tiny_model(TINY), int(sys.argv[2]) if len(sys.argv) > 2 else 1))
-    elif which == "deepseek-v3":
-        print(make_tiny_deepseek_v3())
+    elif which in ("deepseek-v3", "gemma3", "gpt-oss", "mistral"):
+        print(make_tiny_field_model(which))
     elif which in ("hybrid", "granite", "bench-hybrid"):
         print(make_tiny_hybrid({"hybrid": TINY_HYBRID, "granite": TINY_GRANITE_HYBRID,
                                 "bench-hybrid": BENCH_HYBRID}[which]))

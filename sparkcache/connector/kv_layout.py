@@ -170,8 +170,10 @@ def _role(spec: KVCacheSpec, layer: str, block_size: int | None) -> tuple[GroupR
     if isinstance(spec, k.SlidingWindowSpec):
         return GroupRole.REFUSED, (f"{kind} (window {spec.sliding_window}): vLLM frees the blocks "
                                    "outside the window as a request runs; sparkcache does not "
-                                   "store windows yet (serve without the hybrid KV cache manager, "
-                                   "--disable-hybrid-kv-cache-manager, to keep every block)")
+                                   "store windows yet (for a model that mixes windows with full "
+                                   "attention, --disable-hybrid-kv-cache-manager makes vLLM keep "
+                                   "every block, which sparkcache stores; a model whose every "
+                                   "layer has a window has no such option yet)")
     return GroupRole.REFUSED, (f"{kind}, a KV cache spec sparkcache does not store (it stores full "
                                "attention, MLA and align-mode recurrent state)")
 

@@ -74,3 +74,50 @@ def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
     for p in sorted(root.rglob("*")):
         out[str(p.relative_to(root))] = (p.lstat().st_mtime_ns, p.read_bytes() if p.is_file() else b"<dir>")
     return out
+
+
+def stored_entry(store, prompt: list[int], block_size: int, blocks: int, tp_rank: int = 0):
+    """The one entry ``tp_rank`` published whose first ``blocks`` keys are ``prompt``'s."""
+    from sparkcache.connector.keys import BlockKeys
+
+    key = BlockKeys(block_size).upto(prompt, blocks)[-1]
+    found = [e for e in store.entries() if e.manifest.identity.tp_rank == tp_rank
+             and len(e.manifest.block_keys) >= blocks and e.manifest.block_keys[blocks - 1] == key]
+    assert len(found) == 1, [(e.manifest.identity.tp_rank, len(e.manifest.block_keys)) for e in store.entries()]
+    return found[0]
+
+
+def cut_pages(pages: list[bytes], bpp: int, stored: int, blocks: int, layers: int) -> list[bytes]:
+    """The first ``blocks`` of an entry's ``stored`` blocks, from its pages (``bpp`` blocks
+    each, the last one short): a page holds each layer's blocks, layer after layer, so a page
+    is cut layer by layer."""
+    out = []
+    for p, page in enumerate(pages):
+        have, keep = min(bpp, stored - p * bpp), min(bpp, blocks - p * bpp)
+        if keep <= 0:
+            break
+        per_layer = len(page) // layers
+        block = per_layer // have
+        out.append(b"".join(page[i * per_layer:i * per_layer + keep * block] for i in range(layers)))
+    return out
+
+
+def forge_entry(root, victim: list[int], donor: list[int], block_size: int, blocks: int, layers: int,
+                zeroed: bool = False) -> None:
+    """Publish, under the engine's identity, an entry keyed by ``victim``'s first ``blocks``
+    blocks whose pages are ``donor``'s (zeros of the same sizes when ``zeroed``), through the
+    store's own writer: what any writer of the root can do (the store checks bytes against
+    their names, not what they mean)."""
+    from sparkcache.connector.keys import BlockKeys
+    from sparkcache.store import PageStore
+
+    store = PageStore(str(root))
+    m = stored_entry(store, donor, block_size, blocks).manifest
+    pages = cut_pages([bytes(p) for p in store.read_pages(list(m.pages))], m.blocks_per_page,
+                      len(m.block_keys), blocks, layers)
+    if zeroed:
+        pages = [bytes(len(p)) for p in pages]
+    result = store.publish(m.identity, BlockKeys(block_size).upto(victim, blocks), pages,
+                           blocks_per_page=m.blocks_per_page)
+    assert result.ok, result
+    store.close()

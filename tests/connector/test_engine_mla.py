@@ -1,6 +1,6 @@
 """MLA (DeepSeek-V3's latent KV cache) stored and restored on the real CPU engine, at TP=1 and TP=2.
 
-The model is ``testing.tinymodel.make_tiny_deepseek_v3``: the field recipe ``deepseek-v3``
+The model is ``testing.tinymodel.make_tiny_field_model("deepseek-v3")``: the field recipe
 (2 dense layers, 4 heads, kv_lora 512 + rope 64: one ``MLAAttentionSpec`` of 1 head x 576,
 fp32) with real random weights from transformers' own initialisation, so greedy output depends
 on the KV cache (vLLM's dummy weights barely let it). Backend CPU_MLA; without AMX the CPU
@@ -50,10 +50,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkcache.connector.keys import BlockKeys
 from sparkcache.store import PageStore
 
-from .conftest import flip_byte, long_prompt, metric, run_engine
+from .conftest import flip_byte, forge_entry, long_prompt, metric, run_engine, stored_entry
 from .test_engine_tp import _tp_env
 from .test_engine_tp import run_engine as run_engine_tp
 
@@ -71,50 +70,20 @@ ENGINE = {"max_tokens": MAX_TOKENS, "block_size": BLOCK, "attention_backend": "C
 
 @pytest.fixture(scope="session")
 def deepseek_model() -> str:
-    from testing.tinymodel import make_tiny_deepseek_v3
+    from testing.tinymodel import make_tiny_field_model
 
-    return make_tiny_deepseek_v3()
+    return make_tiny_field_model("deepseek-v3")
 
 
 def _entry(store: PageStore, prompt: list[int], tp_rank: int = 0):
     """The entry ``tp_rank`` published for ``prompt`` (it covers the reusable prefix)."""
-    key = BlockKeys(BLOCK).upto(prompt, REUSABLE // BLOCK)[-1]
-    found = [e for e in store.entries() if e.manifest.identity.tp_rank == tp_rank
-             and len(e.manifest.block_keys) >= REUSABLE // BLOCK
-             and e.manifest.block_keys[REUSABLE // BLOCK - 1] == key]
-    assert len(found) == 1, [(e.manifest.identity.tp_rank, len(e.manifest.block_keys)) for e in store.entries()]
-    return found[0]
-
-
-def _cut(pages: list[bytes], bpp: int, stored: int, blocks: int) -> list[bytes]:
-    """The first ``blocks`` of an entry's ``stored`` blocks, from its pages (``bpp`` blocks
-    each, the last one short): a page holds each layer's blocks, layer after layer, so a page
-    is cut layer by layer."""
-    out = []
-    for p, page in enumerate(pages):
-        have, keep = min(bpp, stored - p * bpp), min(bpp, blocks - p * bpp)
-        if keep <= 0:
-            break
-        per_layer = len(page) // LAYERS
-        block = per_layer // have
-        out.append(b"".join(page[i * per_layer:i * per_layer + keep * block] for i in range(LAYERS)))
-    return out
+    return stored_entry(store, prompt, BLOCK, REUSABLE // BLOCK, tp_rank)
 
 
 def _forge(root: Path, victim: list[int], donor: list[int] | None) -> None:
-    """Publish, under the engine's identity, an entry keyed by ``victim``'s reusable blocks
-    whose pages are ``donor``'s (or zeros when ``donor`` is None), through the store's writer."""
-    store = PageStore(str(root))
-    src = _entry(store, A if donor is None else donor)
-    m = src.manifest
-    pages = [bytes(p) for p in store.read_pages(list(m.pages))]
-    pages = _cut(pages, m.blocks_per_page, len(m.block_keys), REUSABLE // BLOCK)
-    if donor is None:
-        pages = [bytes(len(p)) for p in pages]
-    keys = BlockKeys(BLOCK).upto(victim, REUSABLE // BLOCK)
-    result = store.publish(m.identity, keys, pages, blocks_per_page=m.blocks_per_page)
-    assert result.ok, result
-    store.close()
+    """``victim``'s reusable blocks over ``donor``'s pages, or over zeroed pages (A's sizes)."""
+    forge_entry(root, victim, A if donor is None else donor, BLOCK, REUSABLE // BLOCK, LAYERS,
+                zeroed=donor is None)
 
 
 def file_bytes(root: Path, kind: str) -> int:
