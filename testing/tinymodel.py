@@ -368,7 +368,6 @@ def _write_hybrid(spec: HybridSpec, tmp: Path) -> None:
     _train_tokenizer(tok_spec, tmp)
 
 
-
 def make_tiny_field_model(name: str, seed: int = 0, initializer_range: float = 0.1,
                           cache_dir: str | os.PathLike | None = None) -> str:
     """A field recipe of ``testing.field_layouts`` (``deepseek-v3``: MLA; ``gemma3``,

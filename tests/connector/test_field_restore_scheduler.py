@@ -19,12 +19,15 @@ import pytest
 
 from testing.field_layouts import field_layout
 
+from .conftest import flip_byte
+
 pytestmark = [pytest.mark.slow]
 
 PROMPT_BLOCKS = 3  # whole blocks before the prompt's tail
 
 
 def _setup(name: str, root, seed: int):
+    """vLLM's Scheduler with sparkcache's connector for ``name``'s layout, and its worker half."""
     from sparkcache.settings import load_settings
     from testing.field_worker import FieldWorker
     from testing.vllm_scheduler import make_scheduler, sparkcache_connector
@@ -36,7 +39,22 @@ def _setup(name: str, root, seed: int):
     scheduler = make_scheduler(sparkcache_connector(extra), hybrid=hybrid, kv_cache_config=got.scheduler,
                                max_model_len=8192, max_num_batched_tokens=8192)
     settings = load_settings(env={}, extra_config=extra)
-    return got, scheduler, FieldWorker.start(scheduler, got.worker, settings, seed=seed)
+    return FieldWorker.start(scheduler, got.worker, settings, seed=seed)
+
+
+def _publish_first(name: str, root) -> tuple[list[int], dict, int]:
+    """A prompt computed and published by a first scheduler and worker on ``root``: (its
+    tokens, the worker's counters, the bytes of one state object)."""
+    from testing.vllm_scheduler import make_request
+
+    fw = _setup(name, root, seed=0)
+    tokens = _prompt(fw.block_size)
+    try:
+        fw.run(make_request("first", tokens, max_tokens=2, block_size=fw.block_size))
+        state_bytes = sum(fw.worker.views[layer].block_bytes for _, layer in fw.worker._state_layers())
+    finally:
+        fw.close()
+    return tokens, fw.counters, state_bytes
 
 
 def _prompt(block_size: int, seed: int = 1) -> list[int]:
@@ -68,17 +86,12 @@ def test_an_entry_of_every_group_is_placed_byte_for_byte_after_a_restart(name, t
     from testing.vllm_scheduler import make_request
 
     root = tmp_path / "store"
-    got, scheduler, fw = _setup(name, root, seed=0)
-    bs = fw.block_size
-    tokens = _prompt(bs)
-    try:
-        fw.run(make_request("first", tokens, max_tokens=2, block_size=bs))
-    finally:
-        fw.close()
-    assert fw.counters.get("captures_published", 0) >= 1, fw.counters
+    tokens, counters, _ = _publish_first(name, root)
+    assert counters.get("captures_published", 0) >= 1, counters
 
     # a restart: a new scheduler and worker, other tensors (other random bytes), the same root
-    _, scheduler, fw = _setup(name, root, seed=1)
+    fw = _setup(name, root, seed=1)
+    bs = fw.block_size
     seen: dict = {}
     fw.before_load = lambda worker, plan: seen.setdefault("before", _check_placed(fw, tokens, plan))
     fw.after_load = lambda worker, plan: seen.setdefault("after", _check_placed(fw, tokens, plan))
@@ -105,14 +118,7 @@ def test_a_missing_or_damaged_object_of_any_group_is_never_placed(kind, how, tmp
     from testing.vllm_scheduler import make_request
 
     root = tmp_path / "store"
-    _, _, fw = _setup("glm5next", root, seed=0)
-    bs = fw.block_size
-    tokens = _prompt(bs)
-    try:
-        fw.run(make_request("first", tokens, max_tokens=2, block_size=bs))
-        state_bytes = sum(fw.worker.views[layer].block_bytes for _, layer in fw.worker._state_layers())
-    finally:
-        fw.close()
+    tokens, _, state_bytes = _publish_first("glm5next", root)
     objects = sorted(p for p in (root / "default" / "objects").rglob("*") if p.is_file())
     states = [p for p in objects if p.stat().st_size == state_bytes]
     assert len(states) == 1 and len(objects) > 1, [p.stat().st_size for p in objects]
@@ -120,11 +126,9 @@ def test_a_missing_or_damaged_object_of_any_group_is_never_placed(kind, how, tmp
     if how == "removed":
         victim.unlink()
     else:
-        data = bytearray(victim.read_bytes())
-        data[len(data) // 2] ^= 0x40
-        victim.write_bytes(bytes(data))
+        flip_byte(victim)
 
-    _, scheduler, fw = _setup("glm5next", root, seed=1)
+    fw = _setup("glm5next", root, seed=1)
     untouched: dict = {}
     changed: list = []
 
@@ -138,7 +142,7 @@ def test_a_missing_or_damaged_object_of_any_group_is_never_placed(kind, how, tmp
         changed.extend(k for k, before in untouched.items() if not fw.block(*k).equal(before))
 
     fw.before_load, fw.after_load = snapshot, compare
-    request = make_request("again", tokens, max_tokens=2, block_size=bs)
+    request = make_request("again", tokens, max_tokens=2, block_size=fw.block_size)
     try:
         fw.run(request)
     finally:

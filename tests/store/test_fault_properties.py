@@ -166,7 +166,6 @@ FAULTS = st.sampled_from(sorted(WHERE)).flatmap(lambda where: st.builds(
 ARM = st.none() | FAULTS
 
 
-
 @dataclass(frozen=True)
 class Published:
     """What one publication of conversation ``conv`` at ``n`` blocks puts on disk."""
