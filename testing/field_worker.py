@@ -6,9 +6,10 @@ The tensors are vLLM's own: ``allocate_kv_cache`` views the worker's ``KVCacheCo
 layer, as the GPU model runner does. Only the forward is synthetic: for every scheduled chunk it
 writes, into each stored layer's blocks, bytes that depend on the tokens before that block's end
 and the layer (``expected_block``), and into each recurrent group's running column the state
-after the chunk (``expected_state``). So after a restore every placed byte can be compared with
-what the model would have written, and a block that was not placed, or placed from another
-prompt, differs.
+after the chunk (``expected_state``). A draft layers' group (EAGLE / MTP, ``is_eagle_group``)
+also depends on the token after each position, as a drafter's KV does (its input at p is the
+token at p + 1). So after a restore every placed byte can be compared with what the model
+would have written, and a block that was not placed, or placed from another prompt, differs.
 
 Import only inside a process that may import vLLM.
 """
@@ -50,6 +51,7 @@ class FieldWorker:
     counters: dict[str, float] = field(default_factory=dict)  # the worker's, summed over steps
     before_load: Callable[[object, object], None] | None = None  # (worker, plan) before it is placed
     after_load: Callable[[object, object], None] | None = None   # (worker, plan) right after, before the forward
+    draft_layers: frozenset[str] = frozenset()  # layers of a draft (EAGLE / MTP) group
 
     @classmethod
     def start(cls, scheduler, worker_cfg, settings, *, seed: int = 0) -> "FieldWorker":
@@ -73,13 +75,15 @@ class FieldWorker:
             raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
         worker.register_kv_caches(caches)
-        return cls(worker, scheduler, int(scheduler.block_size))
+        draft = frozenset(n for g in worker_cfg.kv_cache_groups if g.is_eagle_group for n in g.layer_names)
+        return cls(worker, scheduler, int(scheduler.block_size), draft_layers=draft)
 
     # ------------------------------------------------------------------ the model
 
     def expected_block(self, tokens: list[int], layer: str, block: int, upto: int) -> torch.Tensor:
-        """What the forward writes into ``layer``'s block ``block`` once ``upto`` tokens are computed."""
-        end = min((block + 1) * self.block_size, upto)
+        """What the forward writes into ``layer``'s block ``block`` once ``upto`` tokens are
+        computed (a draft layer's: and the token after them)."""
+        end = min((block + 1) * self.block_size, upto) + (layer in self.draft_layers)
         return _bytes(self.worker.views[layer].block_bytes, _seed(tokens[:end], layer, "page"))
 
     def expected_state(self, tokens: list[int], layer: str, upto: int) -> torch.Tensor:

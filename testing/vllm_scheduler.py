@@ -83,15 +83,20 @@ def make_scheduler(
     max_num_batched_tokens: int = 8192,
     tensor_parallel_size: int = 1,
     kv_cache_config: Any = None,
+    speculative: dict[str, Any] | None = None,
 ):
     """vLLM's Scheduler over ``num_blocks`` blocks: full attention, plus a Mamba ("align") group
     when ``hybrid``; ``retention_interval`` 0 is production's prefix-cache retention (None: dense).
     ``kv_transfer``: ``KVTransferConfig`` fields (:func:`probe_connector`, :func:`sparkcache_connector`),
     None for no connector. ``kv_cache_config``: instead of those groups, the scheduler's
     ``KVCacheConfig`` vLLM built for a real model (``testing.field_layouts``), whose block size
-    and block count then win."""
+    and block count then win. ``speculative``: ``SpeculativeConfig`` fields with the ``model``
+    directory of the target whose drafter it configures (a field recipe's model: ``{"model":
+    ..., "method": "mtp", "num_speculative_tokens": 1}``); the scheduler's own model config
+    stays the tiny one (a GLM model config would make the CPU platform change the cache)."""
     import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, VllmConfig)
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -103,6 +108,12 @@ def make_scheduler(
     model_config = ModelConfig(
         model=tiny_model_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len
     )
+    parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    drafter = None
+    if speculative is not None:
+        spec = dict(speculative)
+        target = ModelConfig(model=spec.pop("model"), seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
+        drafter = SpeculativeConfig(**spec, target_model_config=target, target_parallel_config=parallel_config)
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
@@ -117,7 +128,8 @@ def make_scheduler(
             block_size=block_size, enable_prefix_caching=True, mamba_cache_mode="align" if hybrid else "none"
         ),
         kv_transfer_config=None if kv_transfer is None else KVTransferConfig(**kv_transfer),
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        parallel_config=parallel_config,
+        speculative_config=drafter,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     groups = [

@@ -323,7 +323,9 @@ def describe_parallel(vllm_config: VllmConfig, ranks: dict[str, int]) -> str:
 def make_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_rank: int, *,
                   ranks: dict[str, int] | None = None, declared_weights: str = "") -> tuple[Identity, KVLayout]:
     mc = vllm_config.model_config
-    layout = describe_kv_layout(kv_cache_config, int(vllm_config.cache_config.block_size))
+    drafter = vllm_config.speculative_config
+    layout = describe_kv_layout(kv_cache_config, int(vllm_config.cache_config.block_size),
+                                drafter.method if drafter is not None else None)
     weights = weights_fingerprint(vllm_config, declared_weights)
     identity = Identity(
         model=f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}:{mc.dtype}",

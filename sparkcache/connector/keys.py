@@ -9,7 +9,18 @@ and one more. The chain (scheme ``KEY_SCHEME``, docs/CONNECTOR.md):
                          || canonical(extra keys of block i))
     key_i = hex(d_i)[:40]
 
-where the extra keys are vLLM's for that block (LoRA name and path; each multimodal item in
+or, for a layout whose drafter reads the next token (``KVLayout.lookahead`` = k > 0: EAGLE /
+MTP draft layers' KV at position p is computed from the token at p + 1),
+
+    key_i = hex(sha256(d_i || b"lookahead" || the k token ids after block i, as above))[:40]
+
+(the chain itself, ``d_i``, is the same), so an entry is offered only to a request whose
+token after its last block is the one its draft KV was computed with. A block whose next k
+tokens are not known yet has no key. Multimodal and prompt-embedding requests are never
+offered or captured (``scheduler_side.unsupported_input``), so the lookahead is token ids
+only; an image or embedding right after a block would need its extra keys here too.
+
+The extra keys are vLLM's for that block (LoRA name and path; each multimodal item in
 the block with its offset; ``cache_salt`` on block 0; the sha256 of the block's prompt
 embeddings) followed, on block 0 of a LoRA request, by ``("lora_files", fingerprint of the
 adapter directory)``: vLLM keys an adapter by name and path, so an adapter rewritten at
@@ -62,29 +73,36 @@ def canonical(value: object) -> bytes:
 
 class BlockKeys:
     """Chained keys of one request's full blocks, extended on demand. ``extra_keys`` gives
-    a block's extra keys from its token range (None: the block has none)."""
+    a block's extra keys from its token range (None: the block has none); ``lookahead``: how
+    many tokens after each block its key covers (module docstring)."""
 
-    __slots__ = ("block_size", "keys", "_digest", "_extra_keys")
+    __slots__ = ("block_size", "keys", "_digest", "_extra_keys", "_lookahead")
 
-    def __init__(self, block_size: int, extra_keys: ExtraKeys | None = None) -> None:
+    def __init__(self, block_size: int, extra_keys: ExtraKeys | None = None, lookahead: int = 0) -> None:
         self.block_size = block_size
         self.keys: list[str] = []
         self._digest = hashlib.sha256(KEY_SCHEME.encode()).digest()
         self._extra_keys = extra_keys
+        self._lookahead = lookahead
 
     def upto(self, token_ids: Sequence[int], n_blocks: int) -> list[str]:
-        bs = self.block_size
+        """The keys of the first ``n_blocks`` blocks, fewer where the tokens end first."""
+        bs, ahead = self.block_size, self._lookahead
         while len(self.keys) < n_blocks:
             i = len(self.keys)
-            chunk = token_ids[i * bs:(i + 1) * bs]
-            if len(chunk) < bs:
+            chunk = token_ids[i * bs:(i + 1) * bs + ahead]
+            if len(chunk) < bs + ahead:
                 break
             extra = self._extra_keys(i * bs, (i + 1) * bs) if self._extra_keys else None
             h = hashlib.sha256(self._digest)
-            h.update(_le_uint32(chunk))
+            h.update(_le_uint32(chunk[:bs]))
             h.update(canonical(extra))
             self._digest = h.digest()
-            self.keys.append(self._digest.hex()[:40])
+            if ahead:
+                key = hashlib.sha256(self._digest + b"lookahead" + _le_uint32(chunk[bs:]))
+                self.keys.append(key.hexdigest()[:40])
+            else:
+                self.keys.append(self._digest.hex()[:40])
         return self.keys[:n_blocks]
 
 

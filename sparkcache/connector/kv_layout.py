@@ -11,11 +11,19 @@ Each KV cache group gets a ``GroupRole`` from what its spec *is* (vLLM's spec ty
   ``mamba_cache_mode="align"``: their state after exactly the entry's last block, taken from
   the block vLLM offers for that boundary and restored into block-table column ``n - 1``
   (with speculative decoding too: the draft blocks come after that column, never stored).
+- The EAGLE / MTP draft layers' group (``is_eagle_group``, or every group when vLLM runs an
+  EAGLE-style drafter and flags none) is pages too, under one more condition: a drafter's KV
+  at position p is computed from the target's hidden state at p and the token at p + 1, so
+  an entry's keys then cover the token after each block (``lookahead``, ``keys.BlockKeys``),
+  and a prefix is offered only to a request whose next token is the one the KV was computed
+  with. vLLM's own prefix cache gets the same guarantee by matching a whole block more and
+  dropping it (``eagle_proof_margin``).
 - ``NOT_NEEDED``: nothing in it is read by a request resumed at a block boundary: GLM's
   indexer tail ring (``CircularBufferSpec``, ``_role`` says why) and groups vLLM marks as not
   transferable (rebuilt from their source group after a load). Neither captured nor placed.
 - ``REFUSED``: anything else (a ``SlidingWindowSpec`` group, recurrent state outside align
-  mode, the EAGLE / MTP draft group, HiSparse groups, chunked local attention), naming the
+  mode, recurrent draft layers, a drafter other than EAGLE / MTP (DFlash, DSpark), HiSparse
+  groups, chunked local attention), naming the
   group, what it is and the fix; a spec type sparkcache does not know is refused too, never
   guessed from a base class.
 
@@ -64,6 +72,7 @@ class KVLayout:
     page_groups: tuple[int, ...]   # PAGES groups: their blocks make the pages
     state_groups: tuple[int, ...]  # STATE groups: their state at a boundary, one object
     unsupported: str = ""          # why nothing is offered or captured (UNSUPPORTED only)
+    lookahead: int = 0             # tokens after a block its key covers (1: a drafter reads them)
 
     @property
     def has_state(self) -> bool:
@@ -142,6 +151,10 @@ def _role(spec: KVCacheSpec, layer: str, block_size: int | None) -> tuple[GroupR
         if spec.non_causal:  # a prefix's KV depends on the tokens after it (prefix-LM attention)
             return GroupRole.REFUSED, (f"{kind} with non-causal attention: a prefix's KV depends "
                                        "on what follows it, so it is never reused")
+        if getattr(spec, "non_causal_multi_token_decode", False):
+            return GroupRole.REFUSED, (f"{kind} of a drafter with non-causal multi-token decode "
+                                       "(DSpark); sparkcache has not followed what its KV "
+                                       "depends on")
         if not stored_size_ok:
             return GroupRole.REFUSED, (f"{kind} in blocks of {spec.block_size} tokens, not the "
                                        f"engine's {block_size}")
@@ -178,27 +191,41 @@ def _role(spec: KVCacheSpec, layer: str, block_size: int | None) -> tuple[GroupR
                                "attention, MLA and align-mode recurrent state)")
 
 
-def _group_problem(group: KVCacheGroupSpec) -> str:
+# Drafters whose KV at position p depends on the tokens up to p + 1 (their input at p is the
+# target's hidden state at p and the token at p + 1): ``SpeculativeConfig.use_eagle`` minus the
+# DFlash / DSpark drafters, whose reads sparkcache has not followed.
+NEXT_TOKEN_DRAFTERS = frozenset({"eagle", "eagle3", "mtp"})
+OTHER_HIDDEN_STATE_DRAFTERS = frozenset({"dflash", "dspark"})
+
+
+def _group_problem(group: KVCacheGroupSpec, role: GroupRole) -> str:
     """Why a group is refused whatever its spec says, or ``""``."""
-    if group.is_eagle_group:
-        return ("the EAGLE / MTP draft layers' group: their KV at a prefix's last block depends "
-                "on the token after it, which vLLM handles by dropping a block from every hit; "
-                "sparkcache does not yet")
     from vllm.v1.kv_cache_interface import KVCacheGroupRole
 
     if group.host_resident or group.role is not KVCacheGroupRole.DEFAULT:
         return "a HiSparse host or indexer group; sparkcache does not store those"
+    if group.is_eagle_group and role is GroupRole.STATE:
+        return ("recurrent draft layers (EAGLE / MTP); sparkcache stores a drafter's attention "
+                "pages, not its recurrent state")
     return ""
 
 
-def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = None) -> KVLayout:
+def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = None,
+                       speculative_method: str | None = None) -> KVLayout:
     """``block_size``: the engine's (``cache_config.block_size``); a stored group in blocks of
-    another size is refused. Raises ``ValueError`` for a group whose layers would be stored
-    differently: the scheduler sees only its first layer and would decide otherwise."""
+    another size is refused. ``speculative_method``: vLLM's ``speculative_config.method``, if
+    any. Raises ``ValueError`` for a group whose layers would be stored differently: the
+    scheduler sees only its first layer and would decide otherwise."""
     groups = []
     pages: list[int] = []
     states: list[int] = []
     problems: list[str] = []
+    if speculative_method in OTHER_HIDDEN_STATE_DRAFTERS:
+        problems.append(f"speculative decoding with a {speculative_method} drafter, whose KV "
+                        "sparkcache has not followed; fix: --speculative-config with method mtp, "
+                        "eagle or eagle3, or none")
+    drafted = speculative_method in NEXT_TOKEN_DRAFTERS or any(
+        g.is_eagle_group for g in kv_cache_config.kv_cache_groups)
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         names = list(g.layer_names)
         first = _first_spec(g.kv_cache_spec)
@@ -212,9 +239,9 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = 
         (role,) = roles
         if not g.enable_kv_transfer:
             role = GroupRole.NOT_NEEDED  # vLLM rebuilds it from its source group after a load
-        elif role is not GroupRole.REFUSED and _group_problem(g):
+        elif role is not GroupRole.REFUSED and _group_problem(g, role):
+            verdicts = {(GroupRole.REFUSED, _group_problem(g, role))}
             role = GroupRole.REFUSED
-            verdicts = {(role, _group_problem(g))}
         if role is GroupRole.REFUSED:
             why = "; ".join(sorted(w for _, w in verdicts if w))
             if why:
@@ -229,12 +256,15 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = 
         if role is GroupRole.STATE:
             described["conv_state_layout"] = _conv_state_layout()
         groups.append(described)
-    description = json.dumps({"groups": groups,
-                              "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", ""))},
-                             sort_keys=True, separators=(",", ":"), allow_nan=False)
+    lookahead = 1 if drafted else 0
+    described_layout: dict[str, object] = {
+        "groups": groups, "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", ""))}
+    if lookahead:  # only then: every identity without a drafter stays what it was
+        described_layout["key_lookahead"] = lookahead
+    description = json.dumps(described_layout, sort_keys=True, separators=(",", ":"), allow_nan=False)
     if problems or not pages:
         kind = LayoutKind.UNSUPPORTED
         why = "; ".join(problems) or "no full-attention group"
     else:
         kind, why = (LayoutKind.HYBRID if states else LayoutKind.ATTENTION), ""
-    return KVLayout(kind, description, tuple(pages), tuple(states), why)
+    return KVLayout(kind, description, tuple(pages), tuple(states), why, lookahead)

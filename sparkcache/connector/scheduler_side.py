@@ -201,7 +201,7 @@ class SchedulerSide:
     def state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = _ReqState(request, BlockKeys(self.block_size),
+            st = _ReqState(request, BlockKeys(self.block_size, lookahead=self.layout.lookahead),
                            AttributionRecord(request.request_id, int(request.num_prompt_tokens)))
             self.reqs[request.request_id] = st
             if self.store is not None and self.mode != "disabled" and self._usable(st):
@@ -210,7 +210,8 @@ class SchedulerSide:
                     fingerprint, reason = self.adapters.check(request.lora_request)
                     if reason:
                         self._skip(st, reason)
-                st.keys = BlockKeys(self.block_size, request_extra_keys(request, fingerprint))
+                st.keys = BlockKeys(self.block_size, request_extra_keys(request, fingerprint),
+                                    self.layout.lookahead)
         return st
 
     def _usable(self, st: _ReqState) -> bool:
@@ -229,8 +230,9 @@ class SchedulerSide:
         self.counters.add("skipped_" + reason)
 
     def _keys(self, st: _ReqState, n_blocks: int) -> list[str] | None:
-        """The keys of the first ``n_blocks`` blocks; None (and the request skipped) when an
-        extra key has no encoding, so a bad input cannot stop the scheduler's loop."""
+        """The keys of the first ``n_blocks`` blocks (fewer where the tokens a key looks ahead
+        at are not known yet); None (and the request skipped) when an extra key has no
+        encoding, so a bad input cannot stop the scheduler's loop."""
         try:
             return st.keys.upto(st.request.all_token_ids, n_blocks)
         except (TypeError, OverflowError) as exc:
@@ -352,8 +354,11 @@ class SchedulerSide:
             for group, block_id, tokens in entries:
                 by_boundary.setdefault(int(tokens), {})[int(group)] = int(block_id)
             # The deepest boundary a longer prompt resumes at: vLLM keeps no state after a
-            # prompt's last token (a hit never covers it), so a 704-token prompt's is 640.
+            # prompt's last token (a hit never covers it), so a 704-token prompt's is 640; with
+            # a drafter one block less (vLLM's own hits drop it: ``replay_boundaries``).
             prompt_boundary = (st.record.prompt_tokens - 1) // self.block_size * self.block_size
+            if self.layout.lookahead:
+                prompt_boundary -= self.block_size
             for tokens in sorted(by_boundary):
                 groups = by_boundary[tokens]
                 if (tokens % self.block_size or tokens < max(prompt_boundary, 1)
@@ -372,7 +377,7 @@ class SchedulerSide:
         if table is None or any(len(table[g]) < n_blocks for g in self.layout.page_groups):
             return None
         keys = self._keys(st, n_blocks)
-        if keys is None:
+        if keys is None or len(keys) < n_blocks:
             return None
         if self._stored_depth(keys, with_state=True)[0] == n_blocks:
             return None  # every rank holds it, state included
@@ -512,6 +517,9 @@ class SchedulerSide:
             return None
         keys = self._keys(st, n_blocks)
         if keys is None:
+            return None
+        n_blocks = len(keys)  # fewer where the tokens a key looks ahead at end first
+        if n_blocks == 0 or n_blocks * bs < self.settings.min_span_tokens:
             return None
         depth = self._stored_depth(keys)[0]
         if depth >= n_blocks:

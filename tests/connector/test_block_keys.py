@@ -44,6 +44,26 @@ def test_keys_follow_the_definition_and_extend_incrementally():
     assert keys.upto(tokens, 20) == _reference(tokens, 32)  # stops at the last full block
 
 
+def test_lookahead_keys_cover_the_token_after_each_block_and_keep_the_chain():
+    """For a drafter that reads the next token (EAGLE / MTP): key i also covers the token
+    after block i, so two prompts differing only there share every key but the block before
+    it; a block whose next token is not known has no key yet."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(0, 2**32) for _ in range(32 * 4)]
+    other = list(tokens)
+    other[64] ^= 1  # the first token of block 2
+    plain, ahead, ahead_other = BlockKeys(32), BlockKeys(32, lookahead=1), BlockKeys(32, lookahead=1)
+    a, b = ahead.upto(tokens, 4), ahead_other.upto(other, 4)
+    assert len(a) == 3  # block 3 ends the tokens: nothing after it
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]
+    assert plain.upto(tokens, 2) == BlockKeys(32).upto(other, 2)  # without the lookahead they agree
+    assert set(a).isdisjoint(plain.upto(tokens, 4))  # never a plain key
+    digest = hashlib.sha256(b"sparkcache-block-key-v2").digest()
+    digest = hashlib.sha256(digest + b"".join(t.to_bytes(4, "little") for t in tokens[:32]) + b"N").digest()
+    assert a[0] == hashlib.sha256(digest + b"lookahead" + tokens[32].to_bytes(4, "little")).hexdigest()[:40]
+    assert BlockKeys(32, lookahead=1).upto(tokens + [5], 4)[:3] == a  # extends the same way
+
+
 def test_token_id_outside_uint32_is_refused():
     with pytest.raises(OverflowError):
         BlockKeys(2).upto([1, 2**32], 1)

@@ -218,7 +218,7 @@ EXPECTED_KIND = {  # sparkcache's verdict for each model, the same on both halve
     "gemma3-no-hma": ("attention", ""),  # the fix that refusal names
     "gpt-oss": ("unsupported", "--disable-hybrid-kv-cache-manager"),
     "mistral": ("unsupported", "--disable-hybrid-kv-cache-manager"),
-    "glm5next-mtp": ("unsupported", "EAGLE / MTP"),
+    "glm5next-mtp": ("hybrid", ""),  # the MTP group's pages under keys that look one token ahead
 }
 
 
@@ -230,7 +230,9 @@ def test_the_classifier_gives_both_halves_the_same_verdict_and_identity(name):
     from sparkcache.connector.kv_layout import describe_kv_layout
 
     got = layout(name)
-    w, s = describe_kv_layout(got.worker, got.block_size), describe_kv_layout(got.scheduler, got.block_size)
+    method = got.facts["speculative_method"]
+    w, s = (describe_kv_layout(got.worker, got.block_size, method),
+            describe_kv_layout(got.scheduler, got.block_size, method))
     assert (w.kind, w.page_groups, w.state_groups, w.unsupported) == \
         (s.kind, s.page_groups, s.state_groups, s.unsupported)
     assert w.description == s.description
@@ -239,3 +241,5 @@ def test_the_classifier_gives_both_halves_the_same_verdict_and_identity(name):
     assert why in w.unsupported
     if name == "glm5next":  # KDA x3 state; the MLA latent with its indexer cache pages; no ring
         assert (w.state_groups, w.page_groups) == ((0, 1, 2), (3,))
+    if name == "glm5next-mtp":  # KDA x2 state; MLA + indexer (the MTP layer's too); no ring
+        assert (w.state_groups, w.page_groups, w.lookahead) == ((0, 1), (2,), 1)

@@ -1,14 +1,16 @@
 """The field's layouts stored and restored byte for byte, on vLLM 0.32.0's real ``Scheduler``
 with sparkcache's connector and its worker half on CPU tensors of exactly the specs vLLM builds
-for each model (``testing.field_layouts``: GLM-5.3 / Glm5Next, DeepSeek-V3's MLA, NemotronH with
-ngram speculative decoding). vLLM cannot run these forwards on a CPU; the forward here writes
+for each model (``testing.field_layouts``: GLM-5.3 / Glm5Next with and without MTP, DeepSeek-V3's
+MLA, NemotronH with ngram speculative decoding). vLLM cannot run these forwards on a CPU; the forward here writes
 bytes determined by the tokens (``testing.field_worker``), so every placed byte is checked.
 
 Each model: a prompt is computed and its entry published (every group it stores: KDA states,
 the MLA latent with its indexer key cache, ...); a new scheduler and worker on the same root
 (a restart) offer it and place it, and every placed block and state equals what the forward
 wrote for those tokens. A missing object of any kind refuses the restore: nothing is placed, and
-vLLM recomputes. At 403da3e GLM-5.3 and DeepSeek-V3 were refused (nothing stored).
+vLLM recomputes. With MTP the draft layers' KV at a block's last position depends on the token
+after it: an entry is offered only where that token is the same. At 403da3e GLM-5.3 (with and
+without MTP) and DeepSeek-V3 were refused (nothing stored).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ def _setup(name: str, root, seed: int):
     extra = {"root": str(root), "min_span_tokens": got.block_size,
              "weights_fingerprint": f"field:{name}"}
     hybrid = got.facts.get("mamba_cache_mode") == "align"
+    method = got.facts["speculative_method"]  # the model's own drafter, as its engine ran it
+    speculative = {"model": got.facts["model"], "method": method,
+                   "num_speculative_tokens": got.facts["num_speculative_tokens"]} if method else None
     scheduler = make_scheduler(sparkcache_connector(extra), hybrid=hybrid, kv_cache_config=got.scheduler,
-                               max_model_len=8192, max_num_batched_tokens=8192)
+                               max_model_len=4096, max_num_batched_tokens=8192, speculative=speculative)
     settings = load_settings(env={}, extra_config=extra)
     return FieldWorker.start(scheduler, got.worker, settings, seed=seed)
 
@@ -81,7 +86,13 @@ def _check_placed(fw, tokens: list[int], plan) -> list[str]:
     return wrong
 
 
-@pytest.mark.parametrize("name", ["glm5next", "deepseek-v3", "nemotronh-ngram"])
+def _depth(fw) -> int:
+    """The blocks an entry of ``PROMPT_BLOCKS`` + a tail holds: with a drafter one less (the
+    deepest state vLLM keeps then is a block lower: ``replay_boundaries``)."""
+    return PROMPT_BLOCKS - (fw.worker.layout.lookahead > 0 and fw.worker.layout.has_state)
+
+
+@pytest.mark.parametrize("name", ["glm5next", "glm5next-mtp", "deepseek-v3", "nemotronh-ngram"])
 def test_an_entry_of_every_group_is_placed_byte_for_byte_after_a_restart(name, tmp_path):
     from testing.vllm_scheduler import make_request
 
@@ -101,10 +112,11 @@ def test_an_entry_of_every_group_is_placed_byte_for_byte_after_a_restart(name, t
         fw.close()
     (placed,) = fw.placed
     assert placed.ok, "the restore was refused"
-    assert placed.plan.start_block == 0 and len(placed.plan.keys) == PROMPT_BLOCKS
+    depth = _depth(fw)
+    assert placed.plan.start_block == 0 and len(placed.plan.keys) == depth
     # before the load the destination held other bytes (so the comparison can fail) ...
     assert len(seen["before"]) == sum(len(fw.worker._layers(g)) for g in fw.worker.layout.page_groups) \
-        * PROMPT_BLOCKS + len(fw.worker._state_layers())
+        * depth + len(fw.worker._state_layers())
     # ... and after it every block of every stored layer and every state is the forward's
     assert seen["after"] == []
 
@@ -154,3 +166,37 @@ def test_a_missing_or_damaged_object_of_any_group_is_never_placed(kind, how, tmp
         assert fw.placed and untouched and changed == []
     assert request.num_computed_tokens >= len(tokens)  # recomputed to the end
     assert fw.counters.get("captures_published", 0) >= 1  # recomputed, and stored again
+
+
+@pytest.mark.parametrize("name", ["glm5next-mtp", "glm5next"])
+def test_with_mtp_an_entry_is_offered_only_where_the_token_after_it_is_the_same(name, tmp_path):
+    """The same prompt with the token right after the entry's last block changed. The MTP
+    layer's KV in that block was computed with the old token, so placing it would serve wrong
+    bytes to the drafter: not offered, recomputed. Without a drafter nothing stored depends on
+    that token: restored as before."""
+    from testing.vllm_scheduler import make_request
+
+    root = tmp_path / "store"
+    tokens, counters, _ = _publish_first(name, root)
+    assert counters.get("captures_published", 0) >= 1, counters
+    fw = _setup(name, root, seed=1)
+    depth, bs = _depth(fw), fw.block_size
+    changed = list(tokens)
+    changed[depth * bs] += 1
+    if fw.draft_layers:  # the comparison could fail: that block's draft KV differs
+        layer = sorted(fw.draft_layers)[0]
+        assert not fw.expected_block(tokens, layer, depth - 1, depth * bs).equal(
+            fw.expected_block(changed, layer, depth - 1, depth * bs))
+    seen: dict = {}
+    fw.after_load = lambda worker, plan: seen.setdefault("after", _check_placed(fw, changed, plan))
+    request = make_request("changed", changed, max_tokens=2, block_size=bs)
+    try:
+        fw.run(request)
+    finally:
+        fw.close()
+    if fw.draft_layers:
+        assert fw.placed == [] and "after" not in seen
+        assert request.num_computed_tokens >= len(tokens)  # recomputed to the end
+    else:
+        (placed,) = fw.placed
+        assert placed.ok and len(placed.plan.keys) == depth and seen["after"] == []

@@ -118,7 +118,8 @@ def test_a_full_attention_spec_with_a_window_keeps_every_block_and_its_window_is
     assert a.description != b.description
 
 
-@pytest.mark.parametrize("case", ["sliding", "rswa", "eagle", "chunked", "non-align"])
+@pytest.mark.parametrize("case", ["sliding", "rswa", "eagle-state", "dspark-group", "dflash", "chunked",
+                                  "non-align"])
 def test_what_is_not_stored_is_refused_naming_the_group_and_the_fix(case):
     from vllm.v1 import kv_cache_interface as k
 
@@ -129,16 +130,41 @@ def test_what_is_not_stored_is_refused_naming_the_group_and_the_fix(case):
         # a subclass of FullAttentionSpec that evicts blocks: never taken for full attention
         "rswa": lambda: _one_group(k.RSWASpec(block_size=32, num_kv_heads=2, head_size=32,
                                               dtype=torch.float32, rswa_window=64)),
-        "eagle": lambda: _one_group(attn, is_eagle_group=True),
+        "eagle-state": lambda: k.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            k.KVCacheGroupSpec(["a"], attn), k.KVCacheGroupSpec(["b"], _specs()[0], is_eagle_group=True)]),
+        "dspark-group": lambda: _one_group(k.MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576,
+                                                              dtype=torch.float32,
+                                                              non_causal_multi_token_decode=True)),
+        "dflash": lambda: _one_group(attn),
         "chunked": lambda: _one_group(_replace(attn, attention_chunk_size=128)),
         "non-align": lambda: _glm_like(kda=_replace(_specs()[0], mamba_cache_mode="all"))[0],
     }[case]()
-    layout = describe_kv_layout(config)
+    layout = describe_kv_layout(config, speculative_method="dflash" if case == "dflash" else None)
     assert layout.kind is LayoutKind.UNSUPPORTED
-    assert "group " in layout.unsupported
-    word = {"sliding": "--disable-hybrid-kv-cache-manager", "rswa": "RSWASpec", "eagle": "EAGLE",
+    assert ("group " if case != "dflash" else "speculative decoding") in layout.unsupported
+    word = {"sliding": "--disable-hybrid-kv-cache-manager", "rswa": "RSWASpec", "eagle-state": "recurrent draft",
+            "dspark-group": "DSpark", "dflash": "method mtp, eagle or eagle3",
             "chunked": "chunked", "non-align": "--mamba-cache-mode align"}[case]
     assert word in layout.unsupported, layout.unsupported
+
+
+@pytest.mark.parametrize("how", ["flagged group", "method only"])
+def test_a_next_token_drafters_pages_are_stored_with_keys_that_look_one_token_ahead(how):
+    """GLM-5.3 with MTP: the MLA group is the draft layers' group (``is_eagle_group``). Its
+    pages are stored, under keys that cover the token after each block (``lookahead`` 1,
+    ``keys.BlockKeys``), and the identity says so. vLLM flags no group when a drafter's
+    layers share the target's group; then ``speculative_config.method`` alone decides."""
+    worker, scheduler = _glm_like(eagle=how == "flagged group")
+    method = "mtp" if how == "method only" else None
+    w, s = describe_kv_layout(worker, B, method), describe_kv_layout(scheduler, B, method)
+    assert w.kind is s.kind is LayoutKind.HYBRID, w.unsupported
+    assert w.page_groups == (3,) and w.state_groups == (0, 1, 2)
+    assert w.lookahead == s.lookahead == 1 and w.description == s.description
+    plain = describe_kv_layout(_glm_like()[1], B)
+    assert plain.lookahead == 0 and '"key_lookahead"' not in plain.description
+    assert plain.description != w.description
+    # an ngram drafter reads no KV: nothing changes
+    assert describe_kv_layout(_glm_like()[1], B, "ngram") == plain
 
 
 def test_a_group_vllm_does_not_transfer_is_neither_stored_nor_refused():
