@@ -121,10 +121,11 @@ class FieldWorker:
             req = self.scheduler.requests[rid]
             tokens, start, end = list(req.all_token_ids), before[rid], before[rid] + n
             table = self.scheduler.kv_cache_manager.get_block_ids(rid)
-            for g in layout.page_groups:
+            for g in layout.page_groups + layout.window_groups:
                 for layer in self.worker._layers(g):
                     for j in range(start // bs, -(-end // bs)):
-                        self.write(layer, table[g][j], self.expected_block(tokens, layer, j, end))
+                        if table[g][j] != 0:  # vLLM's null block (behind a window): never written
+                            self.write(layer, table[g][j], self.expected_block(tokens, layer, j, end))
             for g in layout.state_groups:
                 columns = {-(-end // bs) - 1: end}  # the running state
                 checkpoint = self._prefill_checkpoint(g, start, end)

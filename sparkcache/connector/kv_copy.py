@@ -17,8 +17,9 @@ every stride order. Recurrent (Mamba) layers are never split: ``[B, 1, 1, state 
 content), whatever the stride order and the kernel block size. That is what a cache that is
 not split always gave (``kv[layer][block].contiguous()``), so stored entries keep their
 identity, and an entry is the same bytes on every backend. A page holds, layer after layer,
-each layer's blocks of the page, block after block (``gather``); a recurrent state object is
-such a page of one block per recurrent layer.
+each layer's blocks of the page, block after block (``gather``); an entry's boundary object
+is such pages one after another (``gather_parts``): one block per recurrent layer, then each
+window group's blocks before the boundary.
 
 **Copies.** A capture gathers each layer's blocks with one ``index_select`` on the KV
 cache's device and copies them into the pages' host buffer (one copy per layer for the full
@@ -215,4 +216,27 @@ def place(layers: Sequence[tuple[BlockView, Sequence[int]]], page: PageBuffer, p
         dst = view.typed(width)
         dst.index_copy_(0, idx, part.view(_BY_WIDTH[width]).view(m, *dst.shape[1:]))
         placed += m * bb
+    return placed
+
+
+def gather_parts(parts: Sequence[Sequence[tuple[BlockView, Sequence[int]]]]) -> memoryview:
+    """One object of several parts, part after part: each a page of all its layers' blocks
+    (``gather`` with one page for every id of the part)."""
+    pages = [gather(layers, len(layers[0][1]))[0] for layers in parts if layers and layers[0][1]]
+    return pages[0] if len(pages) == 1 else memoryview(b"".join(pages))
+
+
+def place_parts(parts: Sequence[tuple[Sequence[tuple[BlockView, Sequence[int]]], int, int]],
+                obj: PageBuffer) -> int:
+    """Place an object ``gather_parts`` made. Each part: its layers with destination ids, the
+    blocks it holds and the first of them to place (``place``'s ``skip``: the ids are the
+    part's last ones). Returns the bytes placed; an object of another size places nothing."""
+    buf = memoryview(obj).cast("B")
+    sizes = [page_bytes(layers, blocks) for layers, blocks, _ in parts]
+    if sum(sizes) != buf.nbytes:
+        raise KVCopyError(f"sparkcache: an object of {buf.nbytes} bytes; its parts are {sizes} bytes")
+    offset = placed = 0
+    for (layers, blocks, skip), size in zip(parts, sizes):
+        placed += place(layers, buf[offset:offset + size], blocks, skip)
+        offset += size
     return placed

@@ -11,6 +11,15 @@ Each KV cache group gets a ``GroupRole`` from what its spec *is* (vLLM's spec ty
   ``mamba_cache_mode="align"``: their state after exactly the entry's last block, taken from
   the block vLLM offers for that boundary and restored into block-table column ``n - 1``
   (with speculative decoding too: the draft blocks come after that column, never stored).
+- ``WINDOW``: sliding-window attention (``SlidingWindowSpec``: Gemma 3, gpt-oss, Mistral).
+  vLLM frees a request's blocks that fall behind the window as it runs, and a request resumed
+  at boundary N reads only the blocks holding tokens [N - window + 1, N) (plus the
+  ``extra_retained_tokens`` vLLM keeps below them): ``window_blocks`` =
+  ceil((window - 1 + extra) / block) blocks, the ones vLLM allocates for a load to N (it pads
+  the columns before them with its null block). So like a state, an entry holds the window
+  of its own boundary, copied in the step that computes past it (while vLLM still holds it),
+  restored into columns N/block - window_blocks .. N/block - 1, never into a column the
+  request already holds from its local prefix cache.
 - The EAGLE / MTP draft layers' group (``is_eagle_group``, or every group when vLLM runs an
   EAGLE-style drafter and flags none) is pages too, under one more condition: a drafter's KV
   at position p is computed from the target's hidden state at p and the token at p + 1, so
@@ -21,14 +30,17 @@ Each KV cache group gets a ``GroupRole`` from what its spec *is* (vLLM's spec ty
 - ``NOT_NEEDED``: nothing in it is read by a request resumed at a block boundary: GLM's
   indexer tail ring (``CircularBufferSpec``, ``_role`` says why) and groups vLLM marks as not
   transferable (rebuilt from their source group after a load). Neither captured nor placed.
-- ``REFUSED``: anything else (a ``SlidingWindowSpec`` group, recurrent state outside align
+- ``REFUSED``: anything else (recurrent state outside align
   mode, recurrent draft layers, a drafter other than EAGLE / MTP (DFlash, DSpark), HiSparse
   groups, chunked local attention), naming the
   group, what it is and the fix; a spec type sparkcache does not know is refused too, never
   guessed from a base class.
 
-``kind`` sums the roles up: ``ATTENTION`` (pages only), ``HYBRID`` (pages and state) or
-``UNSUPPORTED`` (a refused group, or no page group): nothing is offered or captured.
+``kind`` sums the roles up: ``ATTENTION`` (pages only), ``HYBRID`` (pages and a boundary
+object: every recurrent layer's state and every windowed layer's window at the entry's end,
+one store object, the store's "state"; a model whose every layer is windowed, such as
+Mistral, has pages of no bytes) or ``UNSUPPORTED`` (a refused group, or no attention group):
+nothing is offered or captured.
 
 ``description`` is the identity's ``kv_layout``. It is the same on the scheduler and the
 workers: vLLM hands the scheduler, for a group mixing spec types, the group's first spec
@@ -62,6 +74,7 @@ class GroupRole(enum.Enum):
     PAGES = "pages"
     STATE = "state"
     NOT_NEEDED = "not-needed"  # nothing in it is read before a block boundary (a ring)
+    WINDOW = "window"
     REFUSED = "refused"
 
 
@@ -73,10 +86,17 @@ class KVLayout:
     state_groups: tuple[int, ...]  # STATE groups: their state at a boundary, one object
     unsupported: str = ""          # why nothing is offered or captured (UNSUPPORTED only)
     lookahead: int = 0             # tokens after a block its key covers (1: a drafter reads them)
+    window_groups: tuple[int, ...] = ()  # WINDOW groups: their window at a boundary, in that object
+    window_blocks: tuple[int, ...] = ()  # blocks before the boundary each window group reads
 
     @property
     def has_state(self) -> bool:
+        """Entries end with a boundary object (recurrent states, windows)."""
         return self.kind is LayoutKind.HYBRID
+
+    def windows_at(self, n_blocks: int) -> tuple[int, ...]:
+        """Blocks of each window group an entry of ``n_blocks`` blocks holds."""
+        return tuple(min(n_blocks, k) for k in self.window_blocks)
 
 
 def _conv_state_layout() -> str:
@@ -180,15 +200,13 @@ def _role(spec: KVCacheSpec, layer: str, block_size: int | None) -> tuple[GroupR
         return GroupRole.REFUSED, (f"{kind} of {layer}, a ring sparkcache does not know (only "
                                    "GLM-5.3's indexer tail ring, at a block size that is a multiple "
                                    "of it, is known not to be read at a block boundary)")
-    if isinstance(spec, k.SlidingWindowSpec):
-        return GroupRole.REFUSED, (f"{kind} (window {spec.sliding_window}): vLLM frees the blocks "
-                                   "outside the window as a request runs; sparkcache does not "
-                                   "store windows yet (for a model that mixes windows with full "
-                                   "attention, --disable-hybrid-kv-cache-manager makes vLLM keep "
-                                   "every block, which sparkcache stores; a model whose every "
-                                   "layer has a window has no such option yet)")
+    if type(spec) is k.SlidingWindowSpec:
+        if not stored_size_ok:  # its window would be looked for in other columns
+            return GroupRole.REFUSED, (f"{kind} in blocks of {spec.block_size} tokens, not the "
+                                       f"engine's {block_size}")
+        return GroupRole.WINDOW, ""
     return GroupRole.REFUSED, (f"{kind}, a KV cache spec sparkcache does not store (it stores full "
-                               "attention, MLA and align-mode recurrent state)")
+                               "attention, MLA, sliding windows and align-mode recurrent state)")
 
 
 # Drafters whose KV at position p depends on the tokens up to p + 1 (their input at p is the
@@ -204,7 +222,7 @@ def _group_problem(group: KVCacheGroupSpec, role: GroupRole) -> str:
 
     if group.host_resident or group.role is not KVCacheGroupRole.DEFAULT:
         return "a HiSparse host or indexer group; sparkcache does not store those"
-    if group.is_eagle_group and role is GroupRole.STATE:
+    if group.is_eagle_group and role is GroupRole.STATE:  # (a windowed draft group is stored)
         return ("recurrent draft layers (EAGLE / MTP); sparkcache stores a drafter's attention "
                 "pages, not its recurrent state")
     return ""
@@ -219,6 +237,7 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = 
     groups = []
     pages: list[int] = []
     states: list[int] = []
+    windows: dict[int, int] = {}  # window group -> blocks it reads before a boundary
     problems: list[str] = []
     if speculative_method in OTHER_HIDDEN_STATE_DRAFTERS:
         problems.append(f"speculative decoding with a {speculative_method} drafter, whose KV "
@@ -250,6 +269,8 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = 
             pages.append(i)
         elif role is GroupRole.STATE:
             states.append(i)
+        elif role is GroupRole.WINDOW:
+            windows[i] = _window_blocks(first)
         described: dict[str, object] = {"role": role.value, "spec": type(first).__name__,
                                      "fields": _fields(first), "layers": names,
                                      "eagle": g.is_eagle_group}
@@ -262,9 +283,17 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = 
     if lookahead:  # only then: every identity without a drafter stays what it was
         described_layout["key_lookahead"] = lookahead
     description = json.dumps(described_layout, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    if problems or not pages:
+    if problems or not (pages or windows):
         kind = LayoutKind.UNSUPPORTED
-        why = "; ".join(problems) or "no full-attention group"
+        why = "; ".join(problems) or "no attention group"
     else:
-        kind, why = (LayoutKind.HYBRID if states else LayoutKind.ATTENTION), ""
-    return KVLayout(kind, description, tuple(pages), tuple(states), why, lookahead)
+        kind, why = (LayoutKind.HYBRID if states or windows else LayoutKind.ATTENTION), ""
+    return KVLayout(kind, description, tuple(pages), tuple(states), why, lookahead,
+                    tuple(windows), tuple(windows.values()))
+
+
+def _window_blocks(spec: KVCacheSpec) -> int:
+    """Blocks before a boundary N that a request resumed at N reads or vLLM keeps for it:
+    tokens [N - window + 1 - extra_retained_tokens, N) (``get_num_skipped_tokens``)."""
+    tokens = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
+    return -(-tokens // spec.block_size)

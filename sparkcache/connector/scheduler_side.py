@@ -20,15 +20,18 @@ Per request it keeps one ``_ReqState``. The flow:
   minimum span; delays the free (a lease with the lease transform) until the workers
   copied the pages into a capture slot (``finished_sending``), or until an in-flight load
   is reported (``finished_recving``).
-- Hybrid layouts (``kv_layout.LayoutKind.HYBRID``): an entry is pages plus the recurrent
-  state after its last block, and a state exists only while vLLM offers it. vLLM offers a
-  boundary state (``kv_connector_block_state.boundary_state_offloads``) in the step whose
-  forward writes it; by the time the request finishes that block is gone. So captures are
-  planned in ``build_meta`` from those offers (the boundaries at or past the prompt's last
-  full block: the prompt, and decode-time checkpoints where vLLM keeps them), and the
-  workers copy pages and state after that step's forward (``wait_for_save``), while every
-  block is still the request's. Offers look up entries with a state at exactly their depth
-  (``with_state``), and a load places pages to depth N and the state at N, or nothing.
+- Hybrid layouts (``kv_layout.LayoutKind.HYBRID``): an entry is pages plus a boundary object
+  at its last block (the recurrent state, the sliding windows), which exists only for a
+  while. vLLM offers a boundary state (``kv_connector_block_state.boundary_state_offloads``)
+  in the step whose forward writes it; by the time the request finishes that block is gone,
+  and so are the blocks behind a window. So captures are planned in ``build_meta``: from
+  those offers (the boundaries at or past the prompt's last full block: the prompt, and
+  decode-time checkpoints where vLLM keeps them), or, for windows without recurrent state,
+  at the prompt's last full block in the step that computes past it; the workers copy
+  pages and boundary object after that step's forward (``wait_for_save``), while every
+  block is still the request's. Offers look up entries with a boundary object at exactly
+  their depth (``with_state``), and a load places pages to depth N and that object, or
+  nothing.
 - ``has_pending_push_work``: true while a planned capture is not yet settled by every
   worker (published, failed or skipped: reported in the worker meta), a lone shard found
   at a settlement awaits its removal (``shard_units``), or counters are waiting to be
@@ -64,6 +67,10 @@ from .samples import Samples, add_count
 from .shard_units import ShardUnits
 
 logger = logging.getLogger("sparkcache.connector")
+
+# vLLM's null block (``BlockPool.null_block``, the pool's first block): what a block table
+# holds for a column the request no longer holds (behind a sliding window).
+NULL_BLOCK_ID = 0
 
 RESTORING_MODES = ("read-write", "restore-only")
 CAPTURING_MODES = ("read-write", "store-only")
@@ -111,8 +118,11 @@ class CapturePlan:
     reuse_pages: int          # leading pages an existing entry holds (published as None)
     block_ids: list[list[int]]  # per KV group: source block ids of [reuse_pages*bpp, n_blocks)
     # Hybrid: per recurrent group (``KVLayout.state_groups`` order), the block vLLM offered
-    # with the state after n_blocks; copied after this step's forward. None: no state.
+    # with the state after n_blocks; copied after this step's forward. None: no boundary object.
     state_block_ids: list[int] | None = None
+    # Hybrid: per window group (``KVLayout.window_groups`` order), the blocks of its window
+    # before n_blocks (``KVLayout.windows_at``), copied with the state.
+    window_block_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -324,7 +334,11 @@ class SchedulerSide:
         if self.units is not None:
             self.units.tick()
         if self.hybrid:
-            self._plan_state_captures(getattr(scheduler_output, "kv_connector_block_state", None))
+            block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+            if self.layout.state_groups:
+                self._plan_state_captures(block_state)
+            else:
+                self._plan_window_captures(scheduler_output, block_state)
         for new in scheduler_output.scheduled_new_reqs:
             self._admitted(new.req_id, new.num_computed_tokens, scheduler_output, resumed=False)
         cached = scheduler_output.scheduled_cached_reqs
@@ -369,6 +383,25 @@ class SchedulerSide:
                 if plan is not None:
                     self._send_capture(plan)
 
+    def _plan_window_captures(self, out: SchedulerOutput, block_state: KVConnectorBlockState | None) -> None:
+        """Windowed layouts without recurrent state: a capture at the prompt's last full block
+        boundary (as vLLM keeps for a state) in the step whose forward computes past it, while
+        vLLM still holds its window (it frees what falls behind as the request runs)."""
+        if self.mode not in CAPTURING_MODES or self.store is None or block_state is None:
+            return
+        before = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, scheduled in out.num_scheduled_tokens.items():
+            st = self.reqs.get(req_id)
+            if st is None or req_id not in before:
+                continue
+            boundary = (st.record.prompt_tokens - 1) // self.block_size * self.block_size
+            if before[req_id] < boundary <= before[req_id] + scheduled:
+                plan = self._state_capture_plan(st, block_state, boundary // self.block_size, [])
+                if plan is not None:
+                    self._send_capture(plan)
+
     def _state_capture_plan(self, st: _ReqState, block_state: KVConnectorBlockState, n_blocks: int,
                             state_ids: list[int]) -> CapturePlan | None:
         if n_blocks * self.block_size < self.settings.min_span_tokens or not self._usable(st):
@@ -376,6 +409,10 @@ class SchedulerSide:
         table = block_state.get_block_ids(st.request.request_id)
         if table is None or any(len(table[g]) < n_blocks for g in self.layout.page_groups):
             return None
+        spans = self.layout.windows_at(n_blocks)
+        windows = [list(table[g][n_blocks - k:n_blocks]) for g, k in zip(self.layout.window_groups, spans)]
+        if any(len(ids) != k or NULL_BLOCK_ID in ids for ids, k in zip(windows, spans)):
+            return None  # vLLM no longer holds that window
         keys = self._keys(st, n_blocks)
         if keys is None or len(keys) < n_blocks:
             return None
@@ -385,7 +422,7 @@ class SchedulerSide:
         first = reuse_pages * self.bpp
         ids = [list(table[g][first:n_blocks]) if g in self.layout.page_groups else []
                for g in range(self.num_groups)]
-        return CapturePlan(st.request.request_id, keys, reuse_pages, ids, state_ids)
+        return CapturePlan(st.request.request_id, keys, reuse_pages, ids, state_ids, windows)
 
     def _send_capture(self, plan: CapturePlan) -> None:
         self.captures_to_send.append(plan)

@@ -18,8 +18,10 @@ either way, with ``kv_load_failure_policy="recompute"``
 vLLM recomputes it, and nothing is written into the KV cache. Hybrid models
 (``kv_layout.LayoutKind.HYBRID``): a restore reads the pages and the recurrent state of the
 entry ending exactly at the load's depth, verifies all of them, then places the pages in
-the attention groups' blocks and the state in each recurrent group's block of the last
-column; a capture copies both after the forward that wrote the state (``wait_for_save``).
+the attention groups' blocks and the boundary object: the state in each recurrent group's
+block of the last column, each window group's window in the columns before the depth that
+the request does not hold from its local prefix cache; a capture copies both after the
+forward that wrote the state (``wait_for_save``).
 Other layouts: restores are refused and captures skipped.
 
 A writing worker (read-write, store-only) also runs the store's maintenance
@@ -39,13 +41,14 @@ from typing import TYPE_CHECKING
 from sparkcache.metrics import store_gauges
 from sparkcache.store import cpus
 from sparkcache.store import ObjectError
+from sparkcache.store.manifests import pages_needed
 from sparkcache.store.reasons import Reason
 
 from . import kv_copy
 from .capture_slots import CaptureSlots, CaptureSlotStats
 from .kv_layout import KVLayout, LayoutKind
 from .samples import Samples, add_count
-from .scheduler_side import CapturePlan, LoadPlan, StoredPages
+from .scheduler_side import NULL_BLOCK_ID, CapturePlan, LoadPlan, StoredPages
 from .worker_maintenance import WorkerMaintenance
 
 if TYPE_CHECKING:  # for readers and type checkers; never imported at run time here
@@ -125,7 +128,7 @@ class WorkerSide:
         (``kv_copy.KVCopyError`` names it and the fix)."""
         self.views = {}
         stored = () if self.layout.kind is LayoutKind.UNSUPPORTED else (
-            *self.layout.page_groups, *self.layout.state_groups)
+            *self.layout.page_groups, *self.layout.state_groups, *self.layout.window_groups)
         for g in stored:
             for name in self.group_layers[g]:
                 t = kv_caches.get(name)
@@ -156,6 +159,35 @@ class WorkerSide:
     def _state_layers(self) -> list[tuple[int, str]]:
         """(index in ``state_groups``, layer) of every recurrent layer, in state byte order."""
         return [(k, n) for k, g in enumerate(self.layout.state_groups) for n in self._layers(g)]
+
+    def _boundary_parts(self, n: int) -> list[tuple[list[str], int]]:
+        """The boundary object of an entry of ``n`` blocks, part by part: (layers, blocks of
+        each): every recurrent layer's state, then each window group's window."""
+        parts = [([name for _, name in self._state_layers()], 1)] if self.layout.state_groups else []
+        return parts + [(self._layers(g), k)
+                        for g, k in zip(self.layout.window_groups, self.layout.windows_at(n))]
+
+    def _boundary_bytes(self, n: int) -> int:
+        return sum(k * sum(self._block_bytes(name) for name in layers)
+                   for layers, k in self._boundary_parts(n))
+
+    def _boundary_destinations(self, plan: LoadPlan) -> list | None:
+        """Where a load's boundary object goes (``kv_copy.place_parts``): the state into
+        column end - 1 of each recurrent group; a window into its columns before the end
+        that the load allocated (those before ``start_block`` are the request's own, from
+        vLLM's prefix cache). None: a destination is vLLM's null block (refused)."""
+        end, start = len(plan.keys), plan.start_block
+        parts = []
+        if self.layout.state_groups:
+            ids = [plan.block_ids[g][-1] for g in self.layout.state_groups]
+            parts.append(([(self.views[name], [ids[k]]) for k, name in self._state_layers()], 1, 0))
+        for g, k in zip(self.layout.window_groups, self.layout.windows_at(end)):
+            first = max(end - k, start)
+            ids = plan.block_ids[g][first - start:end - start]
+            if NULL_BLOCK_ID in ids or len(ids) != end - first:
+                return None
+            parts.append(([(self.views[name], ids) for name in self._layers(g)], k, first - (end - k)))
+        return parts
 
     def _block_bytes(self, name: str) -> int:
         return self.views[name].block_bytes
@@ -198,7 +230,11 @@ class WorkerSide:
         if stored is None:
             return None
         spans = self._page_spans(plan, stored)
-        if spans is None:
+        boundary = self._boundary_destinations(plan) if self.layout.has_state else []
+        if spans is None or boundary is None:
+            if boundary is None:
+                logger.warning("sparkcache: restore of %s refused: vLLM allocated no block for a "
+                               "column of its window", plan.req_id)
             return None
         wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
         try:
@@ -211,7 +247,7 @@ class WorkerSide:
         state = pages.pop() if self.layout.has_state else None
         placed = self._place_pages(plan, list(zip(pages, spans)))
         if state is not None:
-            self._place_state(plan, state)
+            kv_copy.place_parts(boundary, state)
         return placed, len(state) if state is not None else 0
 
     def _page_spans(self, plan: LoadPlan, stored: StoredPages) -> list[tuple[int, int]] | None:
@@ -220,12 +256,12 @@ class WorkerSide:
         without mapping or hashing it, before any byte is placed. None: refused."""
         end = len(plan.keys)
         per_block = sum(self._block_bytes(n) for _, n in self._page_layers())
-        state_bytes = sum(self._block_bytes(n) for _, n in self._state_layers())
+        state_bytes = self._boundary_bytes(end)
         if self.layout.has_state and (stored.state is None or stored.block_count != end
                                       or stored.state.size != state_bytes):
-            logger.warning("sparkcache: restore of %s refused: the entry holds no recurrent "
-                           "state of %d bytes after block %d (it ends at block %d)", plan.req_id,
-                           state_bytes, end, stored.block_count)
+            logger.warning("sparkcache: restore of %s refused: the entry holds no boundary "
+                           "object (state, windows) of %d bytes after block %d (it ends at "
+                           "block %d)", plan.req_id, state_bytes, end, stored.block_count)
             return None
         spans = []
         bpp = stored.blocks_per_page  # the entry's, whatever page_blocks is set to now
@@ -254,12 +290,6 @@ class WorkerSide:
             placed += kv_copy.place([(self.views[name], ids[g]) for g, name in self._page_layers()],
                                     page, nblk, skip=lo - page_first)
         return placed
-
-    def _place_state(self, plan: LoadPlan, state: kv_copy.PageBuffer) -> None:
-        """The recurrent state after block ``end`` goes where vLLM reads it: column end - 1
-        of each recurrent group."""
-        ids = [[plan.block_ids[g][-1]] for g in self.layout.state_groups]
-        kv_copy.place([(self.views[name], ids[k]) for k, name in self._state_layers()], state, 1)
 
     def _quarantine(self, exc: ObjectError, stored: StoredPages) -> None:
         """A writing worker removes an object found corrupt, so the next capture of that
@@ -315,9 +345,9 @@ class WorkerSide:
         n = len(plan.keys)
         first = plan.reuse_pages * self.bpp
         layers = self._page_layers()
-        state_layers = self._state_layers() if plan.state_block_ids is not None else []
+        boundary = plan.state_block_ids is not None
         nbytes = ((n - first) * sum(self._block_bytes(name) for _, name in layers)
-                  + sum(self._block_bytes(name) for _, name in state_layers))
+                  + (self._boundary_bytes(n) if boundary else 0))
         ticket = self.slots.try_acquire(nbytes)
         if ticket is None:
             self._settled.append(plan.req_id)  # skipped and counted by the slots
@@ -328,11 +358,11 @@ class WorkerSide:
                 raise kv_copy.KVCopyError(f"the capture plan names {counts} block ids per group "
                                           f"for the {n - first} blocks {first}..{n - 1}")
             pages: list[memoryview | None] = [None] * plan.reuse_pages
-            pages += kv_copy.gather([(self.views[name], plan.block_ids[g]) for g, name in layers], self.bpp)
-            state = None
-            if state_layers:
-                ids = [[b] for b in plan.state_block_ids]
-                state = kv_copy.gather([(self.views[name], ids[k]) for k, name in state_layers], 1)[0]
+            if layers:
+                pages += kv_copy.gather([(self.views[name], plan.block_ids[g]) for g, name in layers], self.bpp)
+            else:  # every layer windowed (Mistral): the entry is its boundary object, pages are empty
+                pages += [memoryview(b"")] * (pages_needed(n, self.bpp) - plan.reuse_pages)
+            state = kv_copy.gather_parts(self._boundary_sources(plan)) if boundary else None
         except Exception:
             self.slots.cancel(ticket)
             self._settled.append(plan.req_id)
@@ -341,6 +371,20 @@ class WorkerSide:
         self._add("captured_page_bytes", sum(len(p) for p in pages if p is not None))
         self._add("captured_state_bytes", len(state) if state is not None else 0)
         self.slots.submit(ticket, _PublishJob(list(plan.keys), pages, state), tag=plan.req_id)
+
+    def _boundary_sources(self, plan: CapturePlan) -> list[list[tuple[kv_copy.BlockView, list[int]]]]:
+        """The blocks a capture's boundary object is copied from (``kv_copy.gather_parts``),
+        in ``_boundary_parts`` order."""
+        parts = []
+        if self.layout.state_groups:
+            parts.append([(self.views[name], [plan.state_block_ids[k]]) for k, name in self._state_layers()])
+        windows = plan.window_block_ids or [[] for _ in self.layout.window_groups]
+        for g, ids, k in zip(self.layout.window_groups, windows, self.layout.windows_at(len(plan.keys))):
+            if len(ids) != k:
+                raise kv_copy.KVCopyError(f"the capture plan names {len(ids)} window blocks of group "
+                                          f"{g}; an entry of {len(plan.keys)} blocks holds {k}")
+            parts.append([(self.views[name], ids) for name in self._layers(g)])
+        return parts
 
     def _publish(self, job: _PublishJob) -> PublishResult:
         result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp,

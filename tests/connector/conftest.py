@@ -96,6 +96,9 @@ def cut_pages(pages: list[bytes], bpp: int, stored: int, blocks: int, layers: in
         have, keep = min(bpp, stored - p * bpp), min(bpp, blocks - p * bpp)
         if keep <= 0:
             break
+        if not layers:  # every layer windowed: pages of no bytes
+            out.append(b"")
+            continue
         per_layer = len(page) // layers
         block = per_layer // have
         out.append(b"".join(page[i * per_layer:i * per_layer + keep * block] for i in range(layers)))
@@ -103,9 +106,11 @@ def cut_pages(pages: list[bytes], bpp: int, stored: int, blocks: int, layers: in
 
 
 def forge_entry(root, victim: list[int], donor: list[int], block_size: int, blocks: int, layers: int,
-                zeroed: bool = False) -> None:
+                zeroed: bool = False, zeroed_boundary: bool = False) -> None:
     """Publish, under the engine's identity, an entry keyed by ``victim``'s first ``blocks``
-    blocks whose pages are ``donor``'s (zeros of the same sizes when ``zeroed``), through the
+    blocks whose pages (and boundary object, when the donor's entry ends there) are ``donor``'s
+    (zeros of the same sizes when ``zeroed``; ``zeroed_boundary``: the donor's pages and a
+    boundary object of zeros the size of the donor entry's), through the
     store's own writer: what any writer of the root can do (the store checks bytes against
     their names, not what they mean)."""
     from sparkcache.connector.keys import BlockKeys
@@ -115,9 +120,14 @@ def forge_entry(root, victim: list[int], donor: list[int], block_size: int, bloc
     m = stored_entry(store, donor, block_size, blocks).manifest
     pages = cut_pages([bytes(p) for p in store.read_pages(list(m.pages))], m.blocks_per_page,
                       len(m.block_keys), blocks, layers)
+    # an entry ending with a boundary object (state, windows) at exactly that depth keeps it
+    state = bytes(store.read_pages([m.state])[0]) if m.state is not None and len(m.block_keys) == blocks else None
+    if zeroed_boundary:
+        state = bytes(m.state.size)
     if zeroed:
         pages = [bytes(len(p)) for p in pages]
+        state = None if state is None else bytes(len(state))
     result = store.publish(m.identity, BlockKeys(block_size).upto(victim, blocks), pages,
-                           blocks_per_page=m.blocks_per_page)
+                           blocks_per_page=m.blocks_per_page, state=state)
     assert result.ok, result
     store.close()

@@ -214,10 +214,10 @@ EXPECTED_KIND = {  # sparkcache's verdict for each model, the same on both halve
     "deepseek-v3": ("attention", ""),
     "glm5next": ("hybrid", ""),
     "nemotronh-ngram": ("hybrid", ""),
-    "gemma3": ("unsupported", "--disable-hybrid-kv-cache-manager"),
+    "gemma3": ("hybrid", ""),  # its window group's window in the boundary object
     "gemma3-no-hma": ("attention", ""),  # the fix that refusal names
-    "gpt-oss": ("unsupported", "--disable-hybrid-kv-cache-manager"),
-    "mistral": ("unsupported", "--disable-hybrid-kv-cache-manager"),
+    "gpt-oss": ("hybrid", ""),  # its window group's window in the boundary object
+    "mistral": ("hybrid", ""),  # its window group's window in the boundary object
     "glm5next-mtp": ("hybrid", ""),  # the MTP group's pages under keys that look one token ahead
 }
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 import pytest
 
 from testing.field_layouts import field_layout
@@ -83,6 +85,11 @@ def _check_placed(fw, tokens: list[int], plan) -> list[str]:
         for layer in fw.worker._layers(g):
             if not fw.block(layer, table[g][end - 1]).equal(fw.expected_state(tokens, layer, end * bs)):
                 wrong.append(f"{layer} state")
+    for g, k in zip(layout.window_groups, layout.windows_at(end)):
+        for layer in fw.worker._layers(g):
+            for j in range(max(start, end - k), end):
+                if not fw.block(layer, table[g][j]).equal(fw.expected_block(tokens, layer, j, end * bs)):
+                    wrong.append(f"{layer} window block {j}")
     return wrong
 
 
@@ -92,7 +99,8 @@ def _depth(fw) -> int:
     return PROMPT_BLOCKS - (fw.worker.layout.lookahead > 0 and fw.worker.layout.has_state)
 
 
-@pytest.mark.parametrize("name", ["glm5next", "glm5next-mtp", "deepseek-v3", "nemotronh-ngram"])
+@pytest.mark.parametrize("name", ["glm5next", "glm5next-mtp", "deepseek-v3", "nemotronh-ngram", "gemma3",
+                                  "gpt-oss", "mistral"])
 def test_an_entry_of_every_group_is_placed_byte_for_byte_after_a_restart(name, tmp_path):
     from testing.vllm_scheduler import make_request
 
@@ -115,8 +123,10 @@ def test_an_entry_of_every_group_is_placed_byte_for_byte_after_a_restart(name, t
     depth = _depth(fw)
     assert placed.plan.start_block == 0 and len(placed.plan.keys) == depth
     # before the load the destination held other bytes (so the comparison can fail) ...
-    assert len(seen["before"]) == sum(len(fw.worker._layers(g)) for g in fw.worker.layout.page_groups) \
-        * depth + len(fw.worker._state_layers())
+    layout = fw.worker.layout
+    assert len(seen["before"]) == sum(len(fw.worker._layers(g)) for g in layout.page_groups) * depth \
+        + len(fw.worker._state_layers()) \
+        + sum(len(fw.worker._layers(g)) * k for g, k in zip(layout.window_groups, layout.windows_at(depth)))
     # ... and after it every block of every stored layer and every state is the forward's
     assert seen["after"] == []
 
@@ -200,3 +210,43 @@ def test_with_mtp_an_entry_is_offered_only_where_the_token_after_it_is_the_same(
     else:
         (placed,) = fw.placed
         assert placed.ok and len(placed.plan.keys) == depth and seen["after"] == []
+
+
+def test_a_window_restored_after_a_local_hit_leaves_the_requests_own_blocks_alone(tmp_path):
+    """Gemma 3 after a restart: a shorter prompt first puts the entry's first two blocks into
+    vLLM's own prefix cache; the full prompt then hits them locally and restores only its last
+    block from the store. Its window (two blocks) spans a local column and a loaded one: only
+    the loaded column is placed (a local block is vLLM's, maybe shared), and the request's
+    table then holds the forward's bytes in both."""
+    from testing.vllm_scheduler import make_request
+
+    root = tmp_path / "store"
+    tokens, _, _ = _publish_first("gemma3", root)
+    fw = _setup("gemma3", root, seed=1)
+    bs, layout = fw.block_size, fw.worker.layout
+    (window_group,), (k,) = layout.window_groups, layout.window_blocks
+    assert k == 2
+    marked: dict = {}
+
+    def mark(worker, plan):  # the local window column gets bytes no forward writes
+        column = plan.start_block - 1
+        block = fw.scheduler.kv_cache_manager.get_block_ids(plan.req_id)[window_group][column]
+        for layer in worker._layers(window_group):
+            marked[layer] = (block, torch.full_like(fw.block(layer, block), 7))
+            fw.write(layer, block, marked[layer][1])
+
+    def check(worker, plan):
+        marked["untouched"] = all(fw.block(layer, b).equal(v) for layer, (b, v) in list(marked.items()))
+        marked["wrong"] = _check_placed(fw, tokens, plan)
+
+    try:
+        fw.run(make_request("shorter", tokens[:2 * bs + 10], max_tokens=2, block_size=bs))
+        fw.placed.clear()
+        fw.before_load, fw.after_load = mark, check
+        fw.run(make_request("again", tokens, max_tokens=2, block_size=bs))
+    finally:
+        fw.close()
+    (placed,) = fw.placed
+    assert placed.ok and placed.plan.start_block == 2 and len(placed.plan.keys) == PROMPT_BLOCKS
+    assert marked["untouched"], "a column the request held from vLLM's prefix cache was overwritten"
+    assert marked["wrong"] == []  # what the load placed (column 2) is the forward's

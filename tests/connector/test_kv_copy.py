@@ -124,6 +124,30 @@ def test_pages_are_read_through_the_buffer_protocol_aligned_or_not(tmp_path):
                     assert src.block(name, s).equal(dst.block(name, d)), (type(source), name)
 
 
+def test_a_boundary_object_is_its_parts_one_after_another_and_places_only_the_tail_asked_for():
+    """``gather_parts``: a state part (one block per layer) then a window part (three blocks per
+    layer) in one object; ``place_parts`` puts the state back and only the window's last two
+    blocks (the first is the request's own), and refuses an object of another size before
+    placing anything."""
+    src, dst = (vllm_kv_caches("LBNHC", 1, hybrid=True, seed=s) for s in (3, 4))
+    assert src.state_layers and src.page_layers
+    state, window = _views(src, src.state_layers), _views(src, src.page_layers)
+    obj = kv_copy.gather_parts([[(v, [7]) for v in state], [(v, [4, 9, 2]) for v in window]])
+    assert obj.nbytes == kv_copy.page_bytes([(v, ()) for v in state], 1) \
+        + kv_copy.page_bytes([(v, ()) for v in window], 3)
+    d_state, d_window = _views(dst, dst.state_layers), _views(dst, dst.page_layers)
+    untouched = {name: dst.block(name, 30).clone() for name in dst.page_layers}
+    parts = [([(v, [11]) for v in d_state], 1, 0), ([(v, [21, 22]) for v in d_window], 3, 1)]
+    with pytest.raises(kv_copy.KVCopyError, match="parts are"):
+        kv_copy.place_parts(parts, bytes(obj)[:-1])
+    assert all(dst.block(n, 30).equal(b) for n, b in untouched.items())
+    assert kv_copy.place_parts(parts, obj) == obj.nbytes - kv_copy.page_bytes([(v, ()) for v in window], 1)
+    for name in dst.state_layers:
+        assert dst.block(name, 11).equal(src.block(name, 7))
+    for name in dst.page_layers:
+        assert dst.block(name, 21).equal(src.block(name, 9)) and dst.block(name, 22).equal(src.block(name, 2))
+
+
 def test_tensors_that_cannot_be_regrouped_are_refused_with_the_fix():
     kv = vllm_kv_caches("LBHNC", 4, layers=1)
     t = kv.caches[kv.page_layers[0]]

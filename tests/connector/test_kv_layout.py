@@ -118,15 +118,17 @@ def test_a_full_attention_spec_with_a_window_keeps_every_block_and_its_window_is
     assert a.description != b.description
 
 
-@pytest.mark.parametrize("case", ["sliding", "rswa", "eagle-state", "dspark-group", "dflash", "chunked",
+@pytest.mark.parametrize("case", ["sliding-other-block", "rswa", "eagle-state", "dspark-group", "dflash", "chunked",
                                   "non-align"])
 def test_what_is_not_stored_is_refused_naming_the_group_and_the_fix(case):
     from vllm.v1 import kv_cache_interface as k
 
     attn = k.FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     config = {
-        "sliding": lambda: _one_group(k.SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32,
-                                                          dtype=torch.float32, sliding_window=64)),
+        "sliding-other-block": lambda: k.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            k.KVCacheGroupSpec(["a"], attn),
+            k.KVCacheGroupSpec(["b"], k.SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32,
+                                                          dtype=torch.float32, sliding_window=64))]),
         # a subclass of FullAttentionSpec that evicts blocks: never taken for full attention
         "rswa": lambda: _one_group(k.RSWASpec(block_size=32, num_kv_heads=2, head_size=32,
                                               dtype=torch.float32, rswa_window=64)),
@@ -139,10 +141,11 @@ def test_what_is_not_stored_is_refused_naming_the_group_and_the_fix(case):
         "chunked": lambda: _one_group(_replace(attn, attention_chunk_size=128)),
         "non-align": lambda: _glm_like(kda=_replace(_specs()[0], mamba_cache_mode="all"))[0],
     }[case]()
-    layout = describe_kv_layout(config, speculative_method="dflash" if case == "dflash" else None)
+    layout = describe_kv_layout(config, 32 if case == "sliding-other-block" else None,
+                                speculative_method="dflash" if case == "dflash" else None)
     assert layout.kind is LayoutKind.UNSUPPORTED
     assert ("group " if case != "dflash" else "speculative decoding") in layout.unsupported
-    word = {"sliding": "--disable-hybrid-kv-cache-manager", "rswa": "RSWASpec", "eagle-state": "recurrent draft",
+    word = {"sliding-other-block": "not the engine's 32", "rswa": "RSWASpec", "eagle-state": "recurrent draft",
             "dspark-group": "DSpark", "dflash": "method mtp, eagle or eagle3",
             "chunked": "chunked", "non-align": "--mamba-cache-mode align"}[case]
     assert word in layout.unsupported, layout.unsupported
@@ -165,6 +168,27 @@ def test_a_next_token_drafters_pages_are_stored_with_keys_that_look_one_token_ah
     assert plain.description != w.description
     # an ngram drafter reads no KV: nothing changes
     assert describe_kv_layout(_glm_like()[1], B, "ngram") == plain
+
+
+@pytest.mark.parametrize("window,extra,blocks", [(64, 0, 2), (65, 0, 2), (66, 0, 3), (64, 32, 3), (4096, 0, 128)])
+def test_a_window_group_holds_the_blocks_a_resumed_request_reads(window, extra, blocks):
+    """A request resumed at boundary N reads tokens [N - window + 1, N) of a windowed layer;
+    vLLM keeps ``extra_retained_tokens`` more below them (``get_num_skipped_tokens``): that
+    many whole blocks, fewer for an entry shorter than that. Every layer windowed (Mistral):
+    an entry is its windows alone."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                            sliding_window=window, extra_retained_tokens=extra)
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    mixed = describe_kv_layout(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["w"], swa), KVCacheGroupSpec(["f"], attn)]), 32)
+    assert mixed.kind is LayoutKind.HYBRID and mixed.has_state
+    assert (mixed.page_groups, mixed.state_groups, mixed.window_groups) == ((1,), (), (0,))
+    assert mixed.window_blocks == (blocks,) and mixed.windows_at(1) == (1,)
+    alone = describe_kv_layout(_one_group(swa), 32)
+    assert alone.kind is LayoutKind.HYBRID and (alone.page_groups, alone.window_groups) == ((), (0,))
+    assert alone.description != describe_kv_layout(_one_group(_replace(swa, sliding_window=window + 32)), 32).description
 
 
 def test_a_group_vllm_does_not_transfer_is_neither_stored_nor_refused():
