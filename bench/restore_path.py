@@ -78,7 +78,8 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
 
     from bench.page_cache import evict, read_rate
     from sparkcache.connector.keys import BlockKeys
-    from sparkcache.connector.scheduler_side import CapturePlan, LoadPlan, StoredPages
+    from sparkcache.connector.capture_plans import CapturePlan
+    from sparkcache.connector.scheduler_side import LoadPlan, StoredPages
 
     blocks = tokens // BLOCK
     worker = _worker(str(work / f"store-{tokens}"), 2 * blocks + 1)

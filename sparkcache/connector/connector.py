@@ -28,7 +28,8 @@ from sparkcache.store import PageStore
 
 from .identity import make_identity, shard_identities
 from .kv_layout import KVLayout, LayoutKind
-from .scheduler_side import CapturePlan, LoadPlan, SchedulerSide
+from .capture_plans import CapturePlan
+from .scheduler_side import LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
 from .worker_side import WorkerSide
 

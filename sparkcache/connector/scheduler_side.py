@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
     from sparkcache.store import EntryHandle, Identity, PageStore
 
 from .attribution import AttributionRecord, emit
+from .capture_plans import CapturePlan, CapturePlanner
 from .identity import AdapterFingerprints
 from .keys import BlockKeys, request_extra_keys
 from .kv_layout import KVLayout, LayoutKind
@@ -67,10 +68,6 @@ from .samples import Samples, add_count
 from .shard_units import ShardUnits
 
 logger = logging.getLogger("sparkcache.connector")
-
-# vLLM's null block (``BlockPool.null_block``, the pool's first block): what a block table
-# holds for a column the request no longer holds (behind a sliding window).
-NULL_BLOCK_ID = 0
 
 RESTORING_MODES = ("read-write", "restore-only")
 CAPTURING_MODES = ("read-write", "store-only")
@@ -109,20 +106,6 @@ class LoadPlan:
     block_ids: list[list[int]]  # per KV group: destination block ids of [start_block, end_block)
     sync: bool = False        # placed before this step's forward; failures as invalid blocks
     stored: StoredPages | None = None  # what the scheduler's lookup found (None: look it up)
-
-
-@dataclass
-class CapturePlan:
-    req_id: str
-    keys: list[str]           # keys of blocks [0, n_blocks)
-    reuse_pages: int          # leading pages an existing entry holds (published as None)
-    block_ids: list[list[int]]  # per KV group: source block ids of [reuse_pages*bpp, n_blocks)
-    # Hybrid: per recurrent group (``KVLayout.state_groups`` order), the block vLLM offered
-    # with the state after n_blocks; copied after this step's forward. None: no boundary object.
-    state_block_ids: list[int] | None = None
-    # Hybrid: per window group (``KVLayout.window_groups`` order), the blocks of its window
-    # before n_blocks (``KVLayout.windows_at``), copied with the state.
-    window_block_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -184,6 +167,8 @@ class SchedulerSide:
         self.settle_timeout_s = 120.0
         self.unsettled: dict[str, tuple[int, float]] = {}  # req_id -> (reports owed, deadline)
         self.adapters = AdapterFingerprints()
+        self.planner = CapturePlanner(layout, block_size, self.bpp, num_groups, settings.min_span_tokens,
+                                      lambda keys, with_state: self._stored_depth(keys, with_state)[0])
         self.after_reset = False                  # vLLM reset the connector's cache: stop
 
     @property
@@ -334,11 +319,7 @@ class SchedulerSide:
         if self.units is not None:
             self.units.tick()
         if self.hybrid:
-            block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-            if self.layout.state_groups:
-                self._plan_state_captures(block_state)
-            else:
-                self._plan_window_captures(scheduler_output, block_state)
+            self._plan_boundary_captures(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             self._admitted(new.req_id, new.num_computed_tokens, scheduler_output, resumed=False)
         cached = scheduler_output.scheduled_cached_reqs
@@ -355,74 +336,36 @@ class SchedulerSide:
         self.loads_to_send, self.captures_to_send = [], []
         return loads, captures
 
-    def _plan_state_captures(self, block_state: KVConnectorBlockState | None) -> None:
-        """Capture plans for this step's boundary-state offers (module docstring)."""
-        if self.mode not in CAPTURING_MODES or self.store is None:
-            return
-        offers = getattr(block_state, "boundary_state_offloads", None) or {}
-        for req_id, entries in offers.items():
-            st = self.reqs.get(req_id)
-            if st is None:
-                continue
-            by_boundary: dict[int, dict[int, int]] = {}
-            for group, block_id, tokens in entries:
-                by_boundary.setdefault(int(tokens), {})[int(group)] = int(block_id)
-            # The deepest boundary a longer prompt resumes at: vLLM keeps no state after a
-            # prompt's last token (a hit never covers it), so a 704-token prompt's is 640; with
-            # a drafter one block less (vLLM's own hits drop it: ``replay_boundaries``).
-            prompt_boundary = (st.record.prompt_tokens - 1) // self.block_size * self.block_size
-            if self.layout.lookahead:
-                prompt_boundary -= self.block_size
-            for tokens in sorted(by_boundary):
-                groups = by_boundary[tokens]
-                if (tokens % self.block_size or tokens < max(prompt_boundary, 1)
-                        or set(groups) != set(self.layout.state_groups)):
-                    continue
-                plan = self._state_capture_plan(st, block_state, tokens // self.block_size,
-                                                [groups[g] for g in self.layout.state_groups])
-                if plan is not None:
-                    self._send_capture(plan)
-
-    def _plan_window_captures(self, out: SchedulerOutput, block_state: KVConnectorBlockState | None) -> None:
-        """Windowed layouts without recurrent state: a capture at the prompt's last full block
-        boundary (as vLLM keeps for a state) in the step whose forward computes past it, while
-        vLLM still holds its window (it frees what falls behind as the request runs)."""
+    def _plan_boundary_captures(self, out: SchedulerOutput) -> None:
+        """Captures of entries ending in a boundary object, planned in the step whose forward
+        writes it (module docstring; ``capture_plans``)."""
+        block_state = getattr(out, "kv_connector_block_state", None)
         if self.mode not in CAPTURING_MODES or self.store is None or block_state is None:
             return
-        before = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, scheduled in out.num_scheduled_tokens.items():
-            st = self.reqs.get(req_id)
-            if st is None or req_id not in before:
-                continue
-            boundary = (st.record.prompt_tokens - 1) // self.block_size * self.block_size
-            if before[req_id] < boundary <= before[req_id] + scheduled:
-                plan = self._state_capture_plan(st, block_state, boundary // self.block_size, [])
+        if self.layout.state_groups:  # where vLLM offers every recurrent group's state
+            wanted = {req_id: self.planner.offered_boundaries(st.record.prompt_tokens, offers)
+                      for req_id, offers in block_state.boundary_state_offloads.items()
+                      if (st := self.reqs.get(req_id)) is not None}
+        else:  # windows alone: the prompt boundary, in the step computing past it
+            before = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+            cached = out.scheduled_cached_reqs
+            before.update(zip(cached.req_ids, cached.num_computed_tokens))
+            wanted = {}
+            for req_id, scheduled in out.num_scheduled_tokens.items():
+                st = self.reqs.get(req_id)
+                n = None if st is None or req_id not in before else \
+                    self.planner.crossed_prompt_boundary(st.record.prompt_tokens, before[req_id], scheduled)
+                if n is not None:
+                    wanted[req_id] = [(n, [])]
+        for req_id, boundaries in wanted.items():
+            st = self.reqs[req_id]
+            table = block_state.get_block_ids(req_id)
+            for n_blocks, state_ids in boundaries:
+                if table is None or not self._usable(st):
+                    break
+                plan = self.planner.at_boundary(req_id, self._keys(st, n_blocks), table, n_blocks, state_ids)
                 if plan is not None:
                     self._send_capture(plan)
-
-    def _state_capture_plan(self, st: _ReqState, block_state: KVConnectorBlockState, n_blocks: int,
-                            state_ids: list[int]) -> CapturePlan | None:
-        if n_blocks * self.block_size < self.settings.min_span_tokens or not self._usable(st):
-            return None
-        table = block_state.get_block_ids(st.request.request_id)
-        if table is None or any(len(table[g]) < n_blocks for g in self.layout.page_groups):
-            return None
-        spans = self.layout.windows_at(n_blocks)
-        windows = [list(table[g][n_blocks - k:n_blocks]) for g, k in zip(self.layout.window_groups, spans)]
-        if any(len(ids) != k or NULL_BLOCK_ID in ids for ids, k in zip(windows, spans)):
-            return None  # vLLM no longer holds that window
-        keys = self._keys(st, n_blocks)
-        if keys is None or len(keys) < n_blocks:
-            return None
-        if self._stored_depth(keys, with_state=True)[0] == n_blocks:
-            return None  # every rank holds it, state included
-        reuse_pages = self._stored_depth(keys)[0] // self.bpp
-        first = reuse_pages * self.bpp
-        ids = [list(table[g][first:n_blocks]) if g in self.layout.page_groups else []
-               for g in range(self.num_groups)]
-        return CapturePlan(st.request.request_id, keys, reuse_pages, ids, state_ids, windows)
 
     def _send_capture(self, plan: CapturePlan) -> None:
         self.captures_to_send.append(plan)
@@ -545,26 +488,11 @@ class SchedulerSide:
         return True, params
 
     def _capture_plan(self, st: _ReqState, request: Request, block_ids: tuple[list[int], ...]) -> CapturePlan | None:
-        if self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only:
+        if (self.mode not in CAPTURING_MODES or self.store is None or not self.attention_only
+                or not self._usable(st)):
             return None
-        bs = self.block_size
-        n_blocks = min(request.num_computed_tokens, len(request.all_token_ids)) // bs
-        n_blocks = min([n_blocks, *(len(block_ids[g]) for g in self.layout.page_groups)])
-        if n_blocks <= 0 or n_blocks * bs < self.settings.min_span_tokens or not self._usable(st):
-            return None
-        keys = self._keys(st, n_blocks)
-        if keys is None:
-            return None
-        n_blocks = len(keys)  # fewer where the tokens a key looks ahead at end first
-        if n_blocks == 0 or n_blocks * bs < self.settings.min_span_tokens:
-            return None
-        depth = self._stored_depth(keys)[0]
-        if depth >= n_blocks:
-            return None  # every rank holds it
-        reuse_pages = depth // self.bpp
-        first = reuse_pages * self.bpp
-        return CapturePlan(request.request_id, keys, reuse_pages,
-                           [list(ids[first:n_blocks]) for ids in block_ids])
+        computed = min(request.num_computed_tokens, len(request.all_token_ids))
+        return self.planner.at_finish(request.request_id, lambda n: self._keys(st, n), computed, block_ids)
 
     def has_pending_block_frees(self) -> bool:
         return bool(self.awaiting_send or self.awaiting_recv_free)

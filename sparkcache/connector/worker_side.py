@@ -48,7 +48,8 @@ from . import kv_copy
 from .capture_slots import CaptureSlots, CaptureSlotStats
 from .kv_layout import KVLayout, LayoutKind
 from .samples import Samples, add_count
-from .scheduler_side import NULL_BLOCK_ID, CapturePlan, LoadPlan, StoredPages
+from .capture_plans import NULL_BLOCK_ID, CapturePlan
+from .scheduler_side import LoadPlan, StoredPages
 from .worker_maintenance import WorkerMaintenance
 
 if TYPE_CHECKING:  # for readers and type checkers; never imported at run time here

@@ -12,7 +12,10 @@ Logprobs: a restored request's first token comes from vLLM's MLA prefill over a 
 context (``_compute_prefill_context``: the latents gathered from the KV cache, up-projected,
 merged by log-sum-exp with the new tokens' attention), a computed one's from a prefill of the
 whole prompt; on CPU_MLA in fp32 the two differ far beyond rounding (the greedy tokens here
-agree). vLLM's own ExampleConnector, which copies the KV cache token by token through its
+agree). No connector-less run takes the first path on this platform: without AMX the CPU
+platform turns chunked prefill and prefix caching off for MLA (``CpuPlatform.check_and_update_config``),
+so vLLM itself never prefills over a cached context (a run capped at 992 batched tokens still
+prefills the 1,000-token prompt whole: its logprobs equal the unchunked run's, gap 0.0). vLLM's own ExampleConnector, which copies the KV cache token by token through its
 slot mapping, gives the same logprobs after its restore. So a restore's logprobs are compared
 with the ExampleConnector's restore of the same prompt to the same depth (within 1e-5), its
 tokens with the connector-less reference, and its gap to the reference is printed.

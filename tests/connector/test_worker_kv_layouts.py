@@ -19,7 +19,8 @@ import pytest
 from sparkcache.connector.connector import _open_store
 from sparkcache.connector.keys import BlockKeys
 from sparkcache.connector.kv_layout import LayoutKind, describe_kv_layout
-from sparkcache.connector.scheduler_side import CapturePlan, LoadPlan, StoredPages
+from sparkcache.connector.capture_plans import CapturePlan
+from sparkcache.connector.scheduler_side import LoadPlan, StoredPages
 from sparkcache.connector.worker_side import WorkerSide
 from sparkcache.settings import load_settings
 from sparkcache.store import Identity

@@ -20,7 +20,7 @@ import torch
 from sparkcache.connector.connector import _open_store
 from sparkcache.connector.keys import BlockKeys
 from sparkcache.connector.kv_layout import describe_kv_layout
-from sparkcache.connector.scheduler_side import CapturePlan
+from sparkcache.connector.capture_plans import CapturePlan
 from sparkcache.connector.worker_side import WorkerSide
 from sparkcache.metrics import COUNTER_KEYS, RANK_GAUGE_KEYS
 from sparkcache.settings import load_settings

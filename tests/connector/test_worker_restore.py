@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from sparkcache.connector.keys import BlockKeys
-from sparkcache.connector.scheduler_side import CapturePlan, LoadPlan, StoredPages
+from sparkcache.connector.capture_plans import CapturePlan
+from sparkcache.connector.scheduler_side import LoadPlan, StoredPages
 
 from .conftest import flip_byte
 from .test_worker_maintenance import BLOCK, NUM_BLOCKS, _worker
