@@ -26,9 +26,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from sparkcache.settings import Settings, SettingsError, load_settings
 from sparkcache.store import PageStore
 
+from .capture_plans import CapturePlan
 from .identity import make_identity, shard_identities
 from .kv_layout import KVLayout, LayoutKind
-from .capture_plans import CapturePlan
 from .scheduler_side import LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
 from .worker_side import WorkerSide

@@ -30,11 +30,11 @@ Each KV cache group gets a ``GroupRole`` from what its spec *is* (vLLM's spec ty
 - ``NOT_NEEDED``: nothing in it is read by a request resumed at a block boundary: GLM's
   indexer tail ring (``CircularBufferSpec``, ``_role`` says why) and groups vLLM marks as not
   transferable (rebuilt from their source group after a load). Neither captured nor placed.
-- ``REFUSED``: anything else (recurrent state outside align
-  mode, recurrent draft layers, a drafter other than EAGLE / MTP (DFlash, DSpark), HiSparse
-  groups, chunked local attention), naming the
-  group, what it is and the fix; a spec type sparkcache does not know is refused too, never
-  guessed from a base class.
+- ``REFUSED``: anything else (recurrent state outside align mode, a group in blocks of
+  another size than the engine's, recurrent draft layers, a drafter other than EAGLE / MTP
+  (DFlash, DSpark), HiSparse groups, chunked local attention), naming the group, what it is
+  and the fix; a spec type sparkcache does not know is refused too, never guessed from a
+  base class.
 
 ``kind`` sums the roles up: ``ATTENTION`` (pages only), ``HYBRID`` (pages and a boundary
 object: every recurrent layer's state and every windowed layer's window at the entry's end,

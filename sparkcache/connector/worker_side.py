@@ -45,10 +45,10 @@ from sparkcache.store.manifests import pages_needed
 from sparkcache.store.reasons import Reason
 
 from . import kv_copy
+from .capture_plans import NULL_BLOCK_ID, CapturePlan
 from .capture_slots import CaptureSlots, CaptureSlotStats
 from .kv_layout import KVLayout, LayoutKind
 from .samples import Samples, add_count
-from .capture_plans import NULL_BLOCK_ID, CapturePlan
 from .scheduler_side import LoadPlan, StoredPages
 from .worker_maintenance import WorkerMaintenance
 
