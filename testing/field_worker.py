@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from sparkcache.connector.capture_plans import NULL_BLOCK_ID
+
 
 def _seed(tokens: list[int], layer: str, what: str) -> int:
     h = hashlib.blake2b(digest_size=8)
@@ -124,7 +126,7 @@ class FieldWorker:
             for g in layout.page_groups + layout.window_groups:
                 for layer in self.worker._layers(g):
                     for j in range(start // bs, -(-end // bs)):
-                        if table[g][j] != 0:  # vLLM's null block (behind a window): never written
+                        if table[g][j] != NULL_BLOCK_ID:  # behind a window: never written
                             self.write(layer, table[g][j], self.expected_block(tokens, layer, j, end))
             for g in layout.state_groups:
                 columns = {-(-end // bs) - 1: end}  # the running state
