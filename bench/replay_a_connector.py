@@ -60,6 +60,16 @@ class ReplayContext:
     publish_failures: int = 0
     evicted_cached_blocks: int = 0  # hashed blocks the block pool evicted (diagnostic)
     preemptions: int = 0  # running requests vLLM preempted for blocks (diagnostic)
+    groups: tuple[list[int], list[int]] | None = None  # (attention, state) groups, found once
+
+    def resident_snapshot(self, scheduler, request) -> dict:
+        """Which of ``request``'s prompt blocks vLLM's block pool holds right now, per group."""
+        if self.groups is None:
+            from sparkcache.connector.kv_layout import describe_kv_layout
+
+            layout = describe_kv_layout(scheduler.kv_cache_config)  # which groups are attention, which state
+            self.groups = list(layout.page_groups), list(layout.state_groups)
+        return _resident_snapshot(scheduler.kv_cache_manager.block_pool, request, self.block_size, *self.groups)
 
     def next_event(self) -> float | None:
         times = list(self.pending_recv.values()) + [t for t, _ in self.pending_send.values()]
@@ -101,21 +111,16 @@ class ReplayContext:
             self.publish_failures += 1
 
 
-def _resident_snapshot(scheduler, request, block_size: int) -> dict:
-    """Which of the prompt's blocks vLLM's block pool holds right now, per group."""
-    from sparkcache.connector.kv_layout import describe_kv_layout
-
-    pool = scheduler.kv_cache_manager.block_pool
-    layout = describe_kv_layout(scheduler.kv_cache_config)  # which groups are attention, which state
+def _resident_snapshot(pool, request, block_size: int, attention: list[int], state: list[int]) -> dict:
     n = (request.num_prompt_tokens - 1) // block_size
     hashes = request.block_hashes[:n]
     attn_depth = 0
     for h in hashes:
-        if not pool.get_cached_block(h, list(layout.page_groups)):
+        if not pool.get_cached_block(h, attention):
             break
         attn_depth += 1
     # a local hit at a boundary needs every recurrent group's state there
-    mamba_at = {i + 1 for i, h in enumerate(hashes) if pool.get_cached_block(h, list(layout.state_groups))}
+    mamba_at = {i + 1 for i, h in enumerate(hashes) if pool.get_cached_block(h, state)}
     return {"attn_tokens": attn_depth * block_size, "mamba_blocks": mamba_at}
 
 
@@ -139,7 +144,7 @@ def _build():
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             ctx = self.ctx
             if ctx.scheduler is not None:
-                ctx.residency[request.request_id] = _resident_snapshot(ctx.scheduler, request, ctx.block_size)
+                ctx.residency[request.request_id] = ctx.resident_snapshot(ctx.scheduler, request)
             n = (request.num_prompt_tokens - 1) // ctx.block_size
             depth, _ = ctx.stored_blocks(request.block_hashes[:n])
             ext = max(0, depth * ctx.block_size - num_computed_tokens)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.replay_a_connector import STANDIN_BYTES_PER_BLOCK, ReplayContext, _resident_snapshot
+from bench.replay_a_connector import STANDIN_BYTES_PER_BLOCK, ReplayContext
 from testing.vllm_scheduler import sparkcache_connector
 
 
@@ -117,7 +117,7 @@ def attach(scheduler: Any, ctx: WorkerContext) -> None:
     ask, build = connector.get_num_new_matched_tokens, connector.build_connector_meta
 
     def get_num_new_matched_tokens(request, num_computed_tokens):
-        ctx.residency[request.request_id] = _resident_snapshot(scheduler, request, ctx.block_size)
+        ctx.residency[request.request_id] = ctx.resident_snapshot(scheduler, request)
         return ask(request, num_computed_tokens)
 
     def build_connector_meta(scheduler_output):
