@@ -283,7 +283,8 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "that the connector restores the recurrent state at the end of any load it "
                "performs (sparkcache's does).", transform=True),
     SettingRow("RETAIN_DECODE_CHECKPOINT", "json_bool", False, "Hash the newest block-aligned "
-               "recurrent (Mamba align) state reached in decode.", transform=True),
+               "recurrent (Mamba align) state reached in decode, and a preempted request's state "
+               "at its last block boundary.", transform=True),
     SettingRow("DROP_SUPERSEDED_CHECKPOINT", "json_bool", False, "With "
                "sparkcache_retain_decode_checkpoint true: drop the hash of the decode checkpoint "
                "a newer one supersedes.", transform=True),

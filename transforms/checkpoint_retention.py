@@ -19,6 +19,13 @@ hittable until reused, and reuse evicts the hash). So the only safe moment to
 hash a decode state is the ``cache_blocks`` call of the step that ends on its
 boundary, while the request still holds the block; that is where this
 transform acts. It never hashes a block a step passed through inside a chunk.
+
+A request preempted by the pool (``Scheduler._preempt_request``) gives all its blocks back and
+later resumes from its longest local hit. Its attention blocks keep their hashes; its running
+state, at its last chunk's end (block-aligned in align mode), has none under retention 0, so it
+resumes from the last retained boundary before it, often 0, and recomputes what it had computed
+(Replay A on GLM-5.3's layout, seed 1: a turn preempted twice loaded 416 tokens from the store
+that were resident as attention blocks). The transform hashes that state before the free.
 """
 
 from __future__ import annotations
@@ -49,6 +56,15 @@ if any(
     from sparkcache.hooks.checkpoint_retention import enable_decode_checkpoints
 
     enable_decode_checkpoints(self)
+"""
+
+# Before a preempted request's blocks go back, its running state at a block boundary gets a hash.
+_PREEMPT_ANCHOR = "self._free_request_blocks(request)"
+
+_PREEMPT_BEFORE = """
+for sparkcache_manager in self.kv_cache_manager.coordinator.single_type_managers:
+    if getattr(sparkcache_manager, "sparkcache_decode_checkpoints", None) is not None:
+        sparkcache_manager.sparkcache_decode_checkpoints.keep_preempted(request)
 """
 
 # ------------------------------------------------ single_type_kv_cache_manager.py
@@ -103,7 +119,7 @@ TRANSFORM = Transform(
         "hit-aligned block boundary at or past the prompt end (decode, one block per boundary) adds "
         "that boundary to the reachable boundaries, so the state block is hashed, recorded as cached "
         "this step and offered to the connector like any retained boundary; optionally the decode "
-        "state it supersedes loses its hash. MambaManager.pop_blocks_for_free: a kept state whose step "
+        "state it supersedes loses its hash. Scheduler._preempt_request: before a preempted request's blocks go back to the pool, its running state, when it ends on a hit-aligned block boundary (a prefill chunk's end in align mode), is hashed, so the request resumes locally where it stopped instead of from its last retained boundary (a 240-token prompt preempted at 208: pristine resumes at 0, transformed at 208). MambaManager.pop_blocks_for_free: a kept state whose step "
         "never ran (preempted in the same pass) loses its hash. Scheduler.__init__: reads the keys from "
         "kv_connector_extra_config and enables the Mamba managers. Align mode without speculative "
         "blocks only; dense retention is unchanged. The logic is sparkcache.hooks.checkpoint_retention; the "
@@ -117,7 +133,8 @@ TRANSFORM = Transform(
     config_keys={
         RETAIN_KEY: (
             "JSON true/false, default false (parsed by sparkcache.settings.transform_option). Hash the newest block-aligned recurrent (Mamba align) state reached at "
-            "or past the prompt end, so the next turn can hit locally at the end of the previous turn."
+            "or past the prompt end, so the next turn can hit locally at the end of the previous turn, and a "
+            "preempted request's running state at its last block boundary, so it resumes locally where it stopped."
         ),
         DROP_KEY: (
             "JSON true/false, default false; only meaningful with sparkcache_retain_decode_checkpoint. When a newer "
@@ -128,6 +145,9 @@ TRANSFORM = Transform(
     edits={
         SCHEDULER: (
             Edit(function="Scheduler.__init__", mode="insert_after", anchor=_SCHEDULER_ANCHOR, new=_SCHEDULER_CALL),
+            Edit(
+                function="Scheduler._preempt_request", mode="insert_before", anchor=_PREEMPT_ANCHOR, new=_PREEMPT_BEFORE
+            ),
         ),
         SINGLE_TYPE: (
             class_default("MambaManager", "sparkcache_decode_checkpoints", "checkpoint_retention"),

@@ -10,6 +10,10 @@ exactly on its boundary, while the request still holds the block: ``DecodeCheckp
 names that boundary, the manager adds it to the boundaries it hashes, and ``keep`` records the
 state hashed (dropping the one it supersedes when opted in). ``forget`` evicts the hash of a
 state whose step never ran (the request was preempted in the same scheduling pass).
+
+``keep_preempted`` hashes a preempted request's running state, when it ends on a hit-aligned
+block boundary, before its blocks go back to the pool: the request resumes locally where it was
+stopped (its attention blocks keep their hashes anyway), not from its last retained boundary.
 """
 
 from __future__ import annotations
@@ -93,6 +97,34 @@ class DecodeCheckpoints:
         if upstream is None or upstream[0]:
             return None  # upstream's retention keeps it; not ours to track or drop
         return num_tokens
+
+    def keep_preempted(self, request: Request) -> None:
+        """Before the pool takes a preempted request's blocks back: hash its running state if it
+        ends on a hit-aligned block boundary. The step that ended at ``num_computed_tokens`` left
+        the state in block ``num_computed_tokens // block_size - 1`` (a step scheduled in the
+        same pass never runs), and no later step writes that block."""
+        manager = self._manager
+        tokens = request.num_computed_tokens
+        alignment = manager.cache_hit_alignment_tokens or manager.block_size
+        if tokens <= 0 or tokens % manager.block_size != 0 or tokens % alignment != 0:
+            return
+        block_idx = tokens // manager.block_size - 1
+        blocks = manager.req_to_blocks.get(request.request_id, [])
+        if block_idx >= len(blocks) or blocks[block_idx].is_null or blocks[block_idx].block_hash is not None:
+            return
+        if len(request.block_hashes) * manager.block_pool.hash_block_size < tokens:
+            return  # no hash for that prefix yet
+        manager.block_pool.cache_full_blocks(
+            request=request,
+            blocks=blocks,
+            num_cached_blocks=block_idx,
+            num_full_blocks=block_idx + 1,
+            block_size=manager.block_size,
+            kv_cache_group_id=manager.kv_cache_group_id,
+        )
+        if blocks[block_idx].block_hash is not None:
+            # Like upstream's own hashing: no hit on it before the next step.
+            manager.cached_blocks_this_step.add(blocks[block_idx].block_hash)
 
     def keep(self, request: Request, boundary: int) -> None:
         """After cache_blocks: record the decode state just hashed; drop the one it supersedes

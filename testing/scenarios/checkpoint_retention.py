@@ -25,6 +25,13 @@ NEW_TOKENS = 20
 ENDS_ON_BOUNDARY_OUTPUT_TOKENS = 25  # the last step computes token 63: state at 64
 NUM_BLOCKS = 100
 SAMPLED_TOKEN = 7
+# Preemption mid-prefill: a pool of 21 blocks, 16-token chunks; request "long" (240 prompt tokens,
+# replay boundary 224) is preempted at 208 computed tokens when "grower" (40 + 20) needs a block,
+# and resumes once grower finishes, before anything evicts its blocks.
+PREEMPT_NUM_BLOCKS = 21
+PREEMPT_GROWER_OUTPUT = 20
+PREEMPT_BATCHED_TOKENS = 17
+PREEMPT_LONG_PROMPT = 240
 
 RETAIN_KEY = "sparkcache_retain_decode_checkpoint"
 DROP_KEY = "sparkcache_drop_superseded_checkpoint"
@@ -111,6 +118,63 @@ def _one_case(extra_config: dict | None, retention_interval: int | None, output_
     }
 
 
+def _preempted_mid_prefill(extra_config: dict | None) -> dict:
+    """The pool preempts "long" mid-prefill; where it resumes, and whether the state hashed at its
+    preemption point is the one the worker wrote there (the running-state rule above)."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = h.make_scheduler(
+        h.probe_connector(extra_config),
+        num_blocks=PREEMPT_NUM_BLOCKS,
+        retention_interval=0,
+        max_num_batched_tokens=PREEMPT_BATCHED_TOKENS,
+    )
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[MAMBA_GROUP]
+    grower = h.make_request("grower", [100 + i for i in range(PROMPT_TOKENS)], max_tokens=PREEMPT_GROWER_OUTPUT)
+    long = h.make_request("long", [500 + i for i in range(PREEMPT_LONG_PROMPT)], max_tokens=5)
+    written: dict[int, int] = {}  # block id -> tokens of the running state the worker last wrote there
+    preemptions: list[dict] = []
+    resumed_at: list[int] = []
+    free = scheduler._free_request_blocks
+
+    def watch_free(request):
+        """At long's preemption: its running state's block, the position it is hashed at (if any)
+        and the position of the state the worker wrote there."""
+        blocks = list(manager.req_to_blocks.get(request.request_id) or [])
+        free(request)
+        if request is long and request.status == RequestStatus.RUNNING:
+            idx = request.num_computed_tokens // h.BLOCK_SIZE - 1
+            block = blocks[idx] if 0 <= idx < len(blocks) and not blocks[idx].is_null else None
+            preemptions.append({
+                "at": request.num_computed_tokens,
+                "state_hashed_at": block.block_hash_num_tokens if block is not None else None,
+                "state_written_at": written.get(block.block_id) if block is not None else None,
+            })
+
+    def record(out):
+        for rid in out.num_scheduled_tokens:
+            end = scheduler.requests[rid].num_computed_tokens  # advanced by this step's schedule
+            blocks = manager.req_to_blocks.get(rid) or []
+            idx = -(-end // h.BLOCK_SIZE) - 1
+            if 0 <= idx < len(blocks) and not blocks[idx].is_null:
+                written[blocks[idx].block_id] = end
+        cached = out.scheduled_cached_reqs
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if rid == long.request_id and rid in cached.resumed_req_ids:
+                resumed_at.append(computed)
+
+    scheduler._free_request_blocks = watch_free
+    scheduler.add_request(grower)
+    scheduler.add_request(long)
+    for _ in range(1000):
+        h.step(scheduler, SAMPLED_TOKEN, on_scheduled=record)
+        if all(RequestStatus.is_finished(r.status) for r in (grower, long)):
+            break
+    else:
+        raise RuntimeError("the preemption scenario did not finish")
+    return {"preemptions": preemptions, "resumed_at": resumed_at}
+
+
 def _decode_checkpoint_options(scheduler) -> list:
     """(retain, drop) as the Mamba manager was configured by the transformed scheduler."""
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[MAMBA_GROUP]
@@ -139,6 +203,7 @@ def run(options_on: bool, config_values: list | None = None) -> dict:
             {"probe_delay_free": True, **keys}, retention_interval=0, output_tokens=ENDS_ON_BOUNDARY_OUTPUT_TOKENS
         ),
     }
+    result["preempted_mid_prefill"] = _preempted_mid_prefill(keys or None)
     if options_on:
         result["retain_only"] = _one_case({RETAIN_KEY: True}, retention_interval=0)
     return result

@@ -77,7 +77,23 @@ def test_pristine_loses_the_decode_checkpoint(pristine):
     assert _summary(pristine["ends_on_boundary_delayed_free"]) == ([32], (64, 32), 32, 0, 32)
     # Dense retention, the reference: the decode states at 48 and 64 are hashed; hit 64.
     assert _summary(pristine["dense_reference"]) == ([32, 48, 64], (64, 64), 64, 0, 64)
-    assert all(not case["decode_states_invalid"] for case in pristine.values() if isinstance(case, dict))
+    assert all(not case.get("decode_states_invalid") for case in pristine.values() if isinstance(case, dict))
+
+
+def test_pristine_loses_a_preempted_requests_state(pristine):
+    # The pool preempts the 240-token prompt at 208 computed tokens: its attention blocks stay
+    # hashed, the state the worker wrote at 208 does not, so it resumes from 0.
+    case = pristine["preempted_mid_prefill"]
+    assert case["preemptions"] == [{"at": 208, "state_hashed_at": None, "state_written_at": 208}]
+    assert case["resumed_at"] == [0]
+
+
+def test_transformed_keeps_a_preempted_requests_state(scenario):
+    # The running state at the preemption point is hashed before the blocks go back, so the
+    # request resumes locally where it stopped.
+    case = scenario("transformed", SCENARIO, options_on=True)["preempted_mid_prefill"]
+    assert case["preemptions"] == [{"at": 208, "state_hashed_at": 208, "state_written_at": 208}]
+    assert case["resumed_at"] == [208]
 
 
 def test_transformed_keeps_the_newest_decode_checkpoint(scenario, pristine):
@@ -92,7 +108,7 @@ def test_transformed_keeps_the_newest_decode_checkpoint(scenario, pristine):
     # Dense retention is untouched.
     assert on["dense_reference"] == pristine["dense_reference"]
     # Every kept state is the real state at its boundary.
-    assert all(not case["decode_states_invalid"] for case in on.values() if isinstance(case, dict))
+    assert all(not case.get("decode_states_invalid") for case in on.values() if isinstance(case, dict))
 
 
 def test_transformed_with_options_off_is_upstream(scenario, pristine):
