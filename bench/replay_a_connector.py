@@ -53,7 +53,7 @@ class ReplayContext:
     scheduler: Any = None
     pending_recv: dict[str, float] = field(default_factory=dict)  # req id -> done at
     pending_send: dict[str, tuple[float, list]] = field(default_factory=dict)  # req id -> (done at, hashes)
-    residency: dict[str, dict] = field(default_factory=dict)  # req id -> snapshot at the last query
+    residency: dict[str, dict] = field(default_factory=dict)  # req id -> snapshot at its admitting ask
     loads: dict[str, dict] = field(default_factory=dict)  # req id -> accepted load
     captures: int = 0
     captured_bytes: float = 0.0
@@ -62,14 +62,20 @@ class ReplayContext:
     preemptions: int = 0  # running requests vLLM preempted for blocks (diagnostic)
     groups: tuple[list[int], list[int]] | None = None  # (attention, state) groups, found once
 
-    def resident_snapshot(self, scheduler, request) -> dict:
-        """Which of ``request``'s prompt blocks vLLM's block pool holds right now, per group."""
+    def note_residency(self, scheduler, request) -> None:
+        """On vLLM's ask for ``request``: which of its prompt blocks vLLM's block pool holds right
+        now, per group. Only asks before its first admission count: the turn's local and external
+        tokens are that admission's (a preempted request is asked again when it resumes, after it
+        computed blocks itself)."""
+        if request.num_preemptions:
+            return
         if self.groups is None:
             from sparkcache.connector.kv_layout import describe_kv_layout
 
             layout = describe_kv_layout(scheduler.kv_cache_config)  # which groups are attention, which state
             self.groups = list(layout.page_groups), list(layout.state_groups)
-        return _resident_snapshot(scheduler.kv_cache_manager.block_pool, request, self.block_size, *self.groups)
+        self.residency[request.request_id] = _resident_snapshot(
+            scheduler.kv_cache_manager.block_pool, request, self.block_size, *self.groups)
 
     def next_event(self) -> float | None:
         times = list(self.pending_recv.values()) + [t for t, _ in self.pending_send.values()]
@@ -144,7 +150,7 @@ def _build():
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             ctx = self.ctx
             if ctx.scheduler is not None:
-                ctx.residency[request.request_id] = ctx.resident_snapshot(ctx.scheduler, request)
+                ctx.note_residency(ctx.scheduler, request)
             n = (request.num_prompt_tokens - 1) // ctx.block_size
             depth, _ = ctx.stored_blocks(request.block_hashes[:n])
             ext = max(0, depth * ctx.block_size - num_computed_tokens)

@@ -117,7 +117,7 @@ def attach(scheduler: Any, ctx: WorkerContext) -> None:
     ask, build = connector.get_num_new_matched_tokens, connector.build_connector_meta
 
     def get_num_new_matched_tokens(request, num_computed_tokens):
-        ctx.residency[request.request_id] = ctx.resident_snapshot(scheduler, request)
+        ctx.note_residency(scheduler, request)
         return ask(request, num_computed_tokens)
 
     def build_connector_meta(scheduler_output):

@@ -211,3 +211,27 @@ def test_a_step_that_completes_a_prefill_is_costed_as_prefill():
         prefill = [n for n, _, _ in costs[:-2]]
         assert sum(prefill) == len(prompt), costs
         assert costs == [(n, n, False) for n in prefill] + [(1, 0, True)] * 2, costs
+
+
+def test_residency_is_the_admitting_asks_not_a_resumed_ones():
+    """A preempted request is asked again when it resumes, after it computed blocks itself; the
+    turn's local and external tokens are its first admission's, so is the residency they are
+    compared with (Replay A on GLM-5.3's layout, seed 1: a turn preempted twice read as 416
+    avoidable tokens)."""
+    from bench.replay_a_connector import ReplayContext
+    from testing import vllm_scheduler as h
+
+    scheduler = h.make_scheduler(h.probe_connector(None))
+    ctx = ReplayContext(store=None, identity=None, mode="read-write", block_size=h.BLOCK_SIZE,
+                        kv_bytes_per_block=1.0, restore_bps=1.0, capture_bps=1.0)
+    request = h.make_request("r", list(range(100, 200)), max_tokens=2)
+    ctx.note_residency(scheduler, request)  # vLLM's ask before admitting it: nothing resident
+    assert ctx.residency["r"]["attn_tokens"] == 0
+    h.run_to_completion(scheduler, request)
+    request.num_preemptions = 1  # as a preemption leaves it; its own blocks are resident now
+    ctx.note_residency(scheduler, request)
+    assert ctx.residency["r"]["attn_tokens"] == 0
+    ctx.residency.clear()
+    request.num_preemptions = 0
+    ctx.note_residency(scheduler, request)  # the same ask before any admission sees them
+    assert ctx.residency["r"]["attn_tokens"] == 96
