@@ -54,6 +54,10 @@ class FieldWorker:
     before_load: Callable[[object, object], None] | None = None  # (worker, plan) before it is placed
     after_load: Callable[[object, object], None] | None = None   # (worker, plan) right after, before the forward
     draft_layers: frozenset[str] = frozenset()  # layers of a draft (EAGLE / MTP) group
+    # speculative decoding: the model's tokens (a list: accepted drafts and the next one) and the
+    # drafter's proposals (``testing.vllm_scheduler.step``)
+    sample: Callable[[object], int | list[int]] | None = None
+    drafts: Callable[[object], list[int]] | None = None
 
     @classmethod
     def start(cls, scheduler, worker_cfg, settings, *, seed: int = 0) -> "FieldWorker":
@@ -121,7 +125,10 @@ class FieldWorker:
         before.update(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
-            tokens, start, end = list(req.all_token_ids), before[rid], before[rid] + n
+            # a step with draft tokens computes them too: its bytes are the drafts' until a later
+            # step recomputes the rejected positions
+            tokens = list(req.all_token_ids) + list(out.scheduled_spec_decode_tokens.get(rid, ()))
+            start, end = before[rid], before[rid] + n
             table = self.scheduler.kv_cache_manager.get_block_ids(rid)
             for g in layout.page_groups + layout.window_groups:
                 for layer in self.worker._layers(g):
@@ -184,7 +191,7 @@ class FieldWorker:
         connector = self.scheduler.connector
         deadline = None
         for _ in range(max_steps):
-            step(self.scheduler, on_scheduled=self.on_scheduled)
+            step(self.scheduler, on_scheduled=self.on_scheduled, sample=self.sample, drafts=self.drafts)
             if RequestStatus.is_finished(request.status):
                 if not connector.has_pending_push_work():
                     return

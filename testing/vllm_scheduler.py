@@ -202,8 +202,9 @@ def step(
     scheduler,
     token_id: int = 7,
     *,
-    sample: Callable[[Any], int] | None = None,
+    sample: Callable[[Any], int | list[int]] | None = None,
     on_scheduled: Callable[[Any], dict | None] | None = None,
+    drafts: Callable[[Any], list[int]] | None = None,
     finished_sending: Iterable[str] | None = (),
     finished_recving: Iterable[str] | None = (),
     failed_recving: Iterable[str] | None = (),
@@ -213,7 +214,11 @@ def step(
     """One ``schedule()`` and ``update_from_output()`` with a synthetic model output.
 
     Every scheduled request whose chunk reaches its last known token samples one token:
-    ``sample(request)`` if given, else ``token_id``; a request mid-prefill samples nothing.
+    ``sample(request)`` if given, else ``token_id``; a request mid-prefill samples nothing. With
+    draft tokens scheduled (speculative decoding), ``sample`` may return a list: the accepted
+    drafts and the token after them, as a model runner's rejection sampler does. After the
+    update, ``drafts(request)`` (if given) proposes each running request's next draft tokens
+    (``Scheduler.update_draft_token_ids``, as the drafter's output reaches it).
     The workers' report (a ``KVConnectorOutput``, only when something is reported) carries
     ``finished_sending``, ``finished_recving`` (with ``failed_recving`` added: a failed load is
     finished too), ``failed_recving``, ``invalid_block_ids`` and ``kv_connector_worker_meta``.
@@ -241,7 +246,8 @@ def step(
         # whose chunk does not reach its last known token is mid-prefill and samples nothing.
         req = scheduler.requests[rid]
         done = req.num_computed_tokens >= req.num_tokens
-        sampled.append([token_id if sample is None else sample(req)] if done else [])
+        token = token_id if sample is None else sample(req)
+        sampled.append((token if isinstance(token, list) else [token]) if done else [])
     sending, recving, failed, invalid = (
         set(report[k] or ()) for k in ("finished_sending", "finished_recving", "failed_recving", "invalid_block_ids")
     )
@@ -265,6 +271,11 @@ def step(
         kv_connector_output=kv_out,
     )
     scheduler.last_engine_outputs = scheduler.update_from_output(out, runner_out)
+    if drafts is not None:
+        from vllm.v1.outputs import DraftTokenIds
+
+        running = [r for r in req_ids if r in scheduler.requests and not scheduler.requests[r].is_finished()]
+        scheduler.update_draft_token_ids(DraftTokenIds(running, [drafts(scheduler.requests[r]) for r in running]))
     return out
 
 

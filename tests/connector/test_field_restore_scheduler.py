@@ -93,6 +93,23 @@ def _check_placed(fw, tokens: list[int], plan) -> list[str]:
     return wrong
 
 
+def _restore_after_restart(name: str, root, tokens: list[int]):
+    """A restart (a new scheduler and worker, other tensors with other random bytes, the same
+    root) runs ``tokens``: the worker, and what ``_check_placed`` found just before and just
+    after its load."""
+    from testing.vllm_scheduler import make_request
+
+    fw = _setup(name, root, seed=1)
+    seen: dict = {}
+    fw.before_load = lambda worker, plan: seen.setdefault("before", _check_placed(fw, tokens, plan))
+    fw.after_load = lambda worker, plan: seen.setdefault("after", _check_placed(fw, tokens, plan))
+    try:
+        fw.run(make_request("again", tokens, max_tokens=2, block_size=fw.block_size))
+    finally:
+        fw.close()
+    return fw, seen
+
+
 def _depth(fw) -> int:
     """The blocks an entry of ``PROMPT_BLOCKS`` + a tail holds: with a drafter one less (the
     deepest state vLLM keeps then is a block lower: ``replay_boundaries``)."""
@@ -102,22 +119,11 @@ def _depth(fw) -> int:
 @pytest.mark.parametrize("name", ["glm5next", "glm5next-mtp", "deepseek-v3", "nemotronh-ngram", "gemma3",
                                   "gpt-oss", "mistral"])
 def test_an_entry_of_every_group_is_placed_byte_for_byte_after_a_restart(name, tmp_path):
-    from testing.vllm_scheduler import make_request
-
     root = tmp_path / "store"
     tokens, counters, _ = _publish_first(name, root)
     assert counters.get("captures_published", 0) >= 1, counters
 
-    # a restart: a new scheduler and worker, other tensors (other random bytes), the same root
-    fw = _setup(name, root, seed=1)
-    bs = fw.block_size
-    seen: dict = {}
-    fw.before_load = lambda worker, plan: seen.setdefault("before", _check_placed(fw, tokens, plan))
-    fw.after_load = lambda worker, plan: seen.setdefault("after", _check_placed(fw, tokens, plan))
-    try:
-        fw.run(make_request("again", tokens, max_tokens=2, block_size=bs))
-    finally:
-        fw.close()
+    fw, seen = _restore_after_restart(name, root, tokens)
     (placed,) = fw.placed
     assert placed.ok, "the restore was refused"
     depth = _depth(fw)
@@ -250,3 +256,64 @@ def test_a_window_restored_after_a_local_hit_leaves_the_requests_own_blocks_alon
     assert placed.ok and placed.plan.start_block == 2 and len(placed.plan.keys) == PROMPT_BLOCKS
     assert marked["untouched"], "a column the request held from vLLM's prefix cache was overwritten"
     assert marked["wrong"] == []  # what the load placed (column 2) is the forward's
+
+
+@pytest.mark.parametrize("name", ["glm5next-mtp", "nemotronh-ngram"])
+def test_with_draft_tokens_scheduled_and_rejected_only_accepted_state_is_stored(name, tmp_path):
+    """Speculative decoding for real on vLLM's scheduler: every decode step schedules the
+    drafter's proposals, and the model accepts them on one step and rejects them on the next, so
+    the forward writes draft bytes into the KV and the recurrent columns (``FieldWorker``: a
+    step computes its drafts too). The next turn repeats the conversation (prompt and every
+    accepted token) and adds to it; its entry is published; after a restart it is placed, and
+    every placed block and state equals what the forward writes for the accepted tokens. No
+    capture is planned in a step that scheduled drafts for its request (vLLM offers recurrent
+    states at retained boundaries, which a drafting decode step never reaches), so no draft state
+    can be stored."""
+    from testing.vllm_scheduler import make_request
+
+    root = tmp_path / "store"
+    fw = _setup(name, root, seed=0)
+    bs, k = fw.block_size, fw.scheduler.vllm_config.speculative_config.num_speculative_tokens
+    proposals, step_out = {"n": 0}, {}
+    drafted: dict[str, int] = {"scheduled": 0, "rejected": 0}
+    captured_with_drafts: list[str] = []
+
+    def drafts(request):
+        proposals["n"] += 1
+        return [(request.num_tokens * 7 + i) % 400 + 3 for i in range(k)]
+
+    def sample(request):
+        """Accept every draft on even steps (the drafts and one more), none on odd ones."""
+        spec = list(step_out["out"].scheduled_spec_decode_tokens.get(request.request_id, ()))
+        drafted["scheduled"] += len(spec)
+        if spec and proposals["n"] % 2 == 0:
+            return spec + [(request.num_tokens * 11) % 400 + 3]
+        drafted["rejected"] += len(spec)
+        return (request.num_tokens * 13) % 400 + 3
+
+    on_scheduled = fw.on_scheduled
+
+    def watch(out):
+        step_out["out"] = out
+        meta = out.kv_connector_metadata
+        captured_with_drafts.extend(p.req_id for p in (meta.captures if meta else ())
+                                    if out.scheduled_spec_decode_tokens.get(p.req_id))
+        return on_scheduled(out)
+
+    fw.on_scheduled, fw.sample, fw.drafts = watch, sample, drafts
+    first = make_request("first", _prompt(bs), max_tokens=3 * bs, block_size=bs)
+    try:
+        fw.run(first)
+        conversation = list(first.all_token_ids)
+        second_tokens = conversation + _prompt(bs, seed=2)[: bs + 5]
+        fw.run(make_request("second", second_tokens, max_tokens=4, block_size=bs))
+    finally:
+        fw.close()
+    assert drafted["scheduled"] > 0 and 0 < drafted["rejected"] < drafted["scheduled"], drafted
+    assert captured_with_drafts == []
+    assert fw.counters.get("captures_published", 0) >= 2, fw.counters
+
+    fw, seen = _restore_after_restart(name, root, second_tokens)
+    (placed,) = fw.placed
+    assert placed.ok and len(placed.plan.keys) * bs > len(conversation) - 2 * bs, placed.plan
+    assert seen["after"] == []
