@@ -12,7 +12,7 @@ this thread:
 
 - ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``):
   what the disk or page cache gives, no hashing, no placement;
-- ``verify``: the objects read and BLAKE3-verified (``ObjectStore.read_many_verified``, as
+- ``verify``: the objects read and verified against their manifests' XXH3-128 (``ObjectStore.read_many_verified``, as
   the worker calls it), nothing placed;
 - ``place``: the verified pages copied into the destination blocks (the worker's placement
   loop on pages already in memory);

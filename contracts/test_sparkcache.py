@@ -26,3 +26,18 @@ def test_openai_server_entry_point_starts():
                           capture_output=True, text=True, timeout=600, env=config_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--kv-transfer-config" in proc.stdout
+
+
+def test_every_dependency_of_sparkcache_is_installed_and_xxh3_128_is_the_reference_one():
+    """What the package declares is in the image at a version it accepts (pinned by hash in the
+    spec); XXH3-128, the restore's page checksum, gives the reference value for empty input."""
+    import re
+
+    import xxhash
+
+    declared = importlib.metadata.requires("sparkcache") or []
+    names = {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in declared if "extra ==" not in r}
+    assert {"blake3", "prometheus_client", "xxhash"} <= names, declared
+    for name in names:
+        importlib.metadata.version(name)  # raises PackageNotFoundError when absent
+    assert xxhash.xxh3_128_hexdigest(b"") == "99aa06d3014798d86001c324468d497f"

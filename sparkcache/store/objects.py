@@ -15,6 +15,7 @@ import os
 import stat
 
 import blake3
+import xxhash
 
 from .reasons import Reason
 from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, open_regular_at,
@@ -35,6 +36,16 @@ class ObjectError(Exception):
 def digest_of(data: bytes | memoryview) -> str:
     """The object name for ``data``: its BLAKE3 hash, 64 lower-case hex characters."""
     return blake3.blake3(data).hexdigest()
+
+
+def checksum_of(data: bytes | memoryview) -> str:
+    """What a restore checks ``data`` against: its XXH3-128, 32 lower-case hex characters."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def name_and_checksum(data: bytes | memoryview) -> tuple[str, str]:
+    """``(digest_of(data), checksum_of(data))``: what a publication records for an object."""
+    return digest_of(data), checksum_of(data)
 
 
 _HASH_CHUNK = 8 << 20  # check_verified reads and hashes this much at a time
@@ -60,8 +71,10 @@ class ObjectStore:
             raise ObjectError(Reason.IO_ERROR, digest, str(exc)) from None
         _check_stat(digest, st, size)
 
-    def read_verified(self, digest: str, size: int) -> bytearray:
-        """The object's bytes, re-hashed; raises ``ObjectError`` rather than return bad bytes.
+    def read_verified(self, digest: str, size: int, checksum: str | None = None) -> bytearray:
+        """The object's bytes, checked against ``checksum`` (its XXH3-128, as its manifest
+        records it) or, without one, re-hashed against its BLAKE3 name; raises ``ObjectError``
+        rather than return bad bytes.
         Read with system calls into one buffer (no mapping: an I/O error or a file truncated
         under the reader is an ``ObjectError``, never a SIGBUS, and no descriptor outlives
         the call)."""
@@ -70,16 +83,20 @@ class ObjectStore:
             data = _read_exactly(fd, digest, size)
         finally:
             close_quietly(fd)
-        _check_digest(digest, data)
+        if checksum is None:
+            _check_digest(digest, data)
+        elif checksum_of(data) != checksum:
+            raise ObjectError(Reason.CORRUPT, digest, "bytes do not match the XXH3-128 their manifest records")
         return data
 
-    def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> None:
-        """``read_verified`` without keeping the bytes: hashed a chunk at a time, so a page of
-        any recorded size (a sparse file of 64 GiB included) costs bounded memory.
-        ``shard_fd``: its shard directory, open (a sweep of many objects)."""
+    def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:
+        """``read_verified`` without keeping the bytes: hashed (BLAKE3, against the name) a
+        chunk at a time, so a page of any recorded size (a sparse file of 64 GiB included)
+        costs bounded memory. Returns the bytes' XXH3-128, for the caller to compare with what
+        manifests record. ``shard_fd``: its shard directory, open (a sweep of many objects)."""
         fd = self._open_checked(digest, size, shard_fd)
         try:
-            hasher, got = blake3.blake3(), 0
+            hasher, checksum, got = blake3.blake3(), xxhash.xxh3_128(), 0
             while got < size:
                 try:
                     chunk = os.read(fd, min(_HASH_CHUNK, size - got))
@@ -88,11 +105,13 @@ class ObjectStore:
                 if not chunk:
                     raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}")
                 hasher.update(chunk)
+                checksum.update(chunk)
                 got += len(chunk)
         finally:
             close_quietly(fd)
         if hasher.hexdigest() != digest:
             raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
+        return checksum.hexdigest()
 
     def _open_checked(self, digest: str, size: int, shard_fd: int | None = None) -> int:
         """An fd of the object, opened without following links, with its size checked."""
@@ -115,11 +134,11 @@ class ObjectStore:
         return fd
 
     def read_many_verified(self, refs: list, *, parallel: bool = True) -> list[bytearray]:
-        """``read_verified`` for several pages, in parallel threads (reads and BLAKE3 release
-        the GIL), or with ``parallel=False`` on the calling thread, one after the other (for
+        """``read_verified`` for several pages (each checked against its ref's checksum), in
+        parallel threads (reads and hashing release the GIL), or with ``parallel=False`` on the calling thread, one after the other (for
         a caller whose cores are busy anyway: see ``WorkerSide``). Raises the first
         ``ObjectError`` in page order."""
-        return _each_in_parallel(lambda ref: self.read_verified(ref.digest, ref.size), refs,
+        return _each_in_parallel(lambda ref: self.read_verified(ref.digest, ref.size, ref.checksum), refs,
                                  parallel=parallel)
 
     def check_many_present(self, refs: list) -> None:

@@ -24,7 +24,7 @@ from .layout import (close_quietly, parallel_imap, start_writeback, sync_all, wa
                      write_all)
 from .locks import PUBLISH_WAIT_S, shared_lock
 from .manifests import PageRef
-from .objects import digest_of
+from .objects import name_and_checksum
 from .staging import Staging
 
 if TYPE_CHECKING:
@@ -56,15 +56,16 @@ class PublicationWriter:
         self._declare_reused(list(reused.values()))
         given = [p for p in pages if p is not None]
         big = sum(map(len, given)) > _PARALLEL_HASH_BYTES
-        digests: Iterator[str] = parallel_imap(digest_of, given, "publish") if big else map(digest_of, given)
+        digests: Iterator[tuple[str, str]] = (parallel_imap(name_and_checksum, given, "publish") if big
+                                              else map(name_and_checksum, given))
         refs: list[PageRef] = []
         seen: set[str] = set()
         for i, page in enumerate(pages):
             if page is None:
                 refs.append(reused[i])
                 continue
-            digest = next(digests)
-            refs.append(PageRef(digest, len(page)))
+            digest, checksum = next(digests)
+            refs.append(PageRef(digest, len(page), checksum))
             if digest in seen:
                 continue
             seen.add(digest)

@@ -34,7 +34,7 @@ from .layout import StoreLayout, UnsafePathError, close_quietly, is_object_diges
 from .manifests import HEADER_BYTES, MAGIC as MANIFEST_MAGIC, Manifest, PageRef, header_checksum
 
 MAGIC = b"SPKS1 "
-FORMAT = 1
+FORMAT = 2  # 2: page refs as manifests hold them (with their XXH3-128)
 SNAPSHOT_EVERY_S = 600.0  # a writer asks for a new snapshot at most this often
 SNAPSHOT_MIN_ENTRIES = 1000  # a smaller store opens fast enough without one
 
@@ -74,8 +74,8 @@ class Snapshot:
             if (self._digests[ident] != identity_digest or type(keys) is not list or not keys
                     or type(bpp) is not int or bpp < 1 or -(-len(keys) // bpp) != len(pages)):
                 return None
-            refs = tuple([PageRef(d, s) for d, s in pages])
-            declared = sum([s for _, s in pages])
+            refs = tuple([PageRef(*p) for p in pages])
+            declared = sum([r.size for r in refs])
             if state is not None:
                 state = PageRef(*state)
                 declared += state.size
@@ -136,8 +136,8 @@ def write(layout: StoreLayout) -> int:
         m = entry.manifest
         ident = identities.setdefault(m.identity, len(identities))
         rows.append([ident, m.entry_id, entry.checksum, entry.manifest_bytes, m.blocks_per_page,
-                     m.created_at, list(m.block_keys), [[p.digest, p.size] for p in m.pages],
-                     [m.state.digest, m.state.size] if m.state is not None else None])
+                     m.created_at, list(m.block_keys), [p.to_json() for p in m.pages],
+                     m.state.to_json() if m.state is not None else None])
     body = json.dumps({"format": FORMAT, "identities": [i.to_dict() for i in identities],
                        "rows": rows, "sizes": index.object_size},
                       separators=(",", ":")).encode()

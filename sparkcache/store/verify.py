@@ -1,7 +1,7 @@
 """Full integrity sweep of one store: every manifest read whole and checked against its
 header's checksum (and decoded, unless the store's snapshot holds the body that checksum
-names), every referenced object re-hashed, every file under objects/ checked to be a regular
-file. Read-only."""
+names), every referenced object re-hashed (its BLAKE3 against its name, its XXH3-128 against
+what each manifest records), every file under objects/ checked to be a regular file. Read-only."""
 
 from __future__ import annotations
 
@@ -55,18 +55,27 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
                                 "cannot read it; check the disk and the file's permissions", ()))
     users: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
+    recorded: dict[str, list[tuple[str, str, str]]] = {}  # digest -> (checksum, manifest, entry) recorded
     for entry in index.entries.values():
         for page in entry.manifest.objects:
             users.setdefault(page.digest, []).append(entry.entry_id)
             sizes[page.digest] = page.size
+            if page.checksum is not None:
+                recorded.setdefault(page.digest, []).append((page.checksum, entry.path, entry.entry_id))
     checked = bytes_checked = 0
     for shard, digests in itertools.groupby(sorted(users), key=lambda d: d[:2]):
         with _shard_dir(layout, objects, shard) as shard_fd:
             for digest in digests:
                 try:
-                    objects.check_verified(digest, sizes[digest], shard_fd)
+                    actual = objects.check_verified(digest, sizes[digest], shard_fd)
                     checked += 1
                     bytes_checked += sizes[digest]
+                    for checksum, path, entry_id in recorded.get(digest, ()):
+                        if checksum != actual:
+                            problems.append(Problem(
+                                "corrupt_manifest", path, f"records XXH3-128 {checksum} for object {digest}, "
+                                f"whose bytes hash to {actual}: a restore refuses the entry; delete the "
+                                "manifest (the next publication writes it anew)", (entry_id,)))
                 except ObjectError as exc:
                     problems.append(Problem(f"{exc.reason}_object", objects.path(digest), exc.detail,
                                             tuple(sorted(set(users[digest])))))

@@ -32,6 +32,15 @@ def page_bytes(conv: int, page: int, blocks_in_page: int, size_per_block: int = 
     return (seed * (size_per_block * blocks_in_page // 32 + 1))[: size_per_block * blocks_in_page]
 
 
+def flip_bit(path, offset: int) -> None:
+    """Flip the lowest bit of the byte at ``offset`` of the file at ``path``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def conv_pages(conv: int, n_blocks: int, bpp: int, size_per_block: int = 256) -> list[bytes]:
     out = []
     for p in range(-(-n_blocks // bpp)):

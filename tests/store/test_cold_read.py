@@ -9,7 +9,7 @@ import pytest
 from bench.page_cache import evict
 from sparkcache.store.objects import ObjectError
 from sparkcache.store.reasons import Reason
-from store_helpers import IDENT, conv_keys, conv_pages, open_store
+from store_helpers import IDENT, conv_keys, conv_pages, flip_bit, open_store
 
 N_BLOCKS, BPP, BLOCK_BYTES = 40, 4, 64 << 10  # 10 pages of 256 KiB
 
@@ -35,12 +35,7 @@ def test_cold_read_returns_the_stored_bytes(stored, parallel):
 def test_cold_read_refuses_a_flipped_byte(stored, parallel):
     store, handle, _ = stored
     bad = handle.pages[6]
-    path = store.objects.path(bad.digest)
-    with open(path, "r+b") as f:
-        f.seek(1000)
-        byte = f.read(1)
-        f.seek(1000)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bit(store.objects.path(bad.digest), 1000)
     evict([store.objects.path(ref.digest) for ref in handle.pages])  # raises unless all cold
     with pytest.raises(ObjectError) as exc:
         store.objects.read_many_verified(list(handle.pages), parallel=parallel)
