@@ -122,6 +122,10 @@ COUNTERS: tuple[CounterMetric, ...] = (
     _counter("quarantined_objects", "Page objects found corrupt on a restore and removed by a "
              "writing worker, so the next capture of their prefix writes them again.", None,
              {"objects_quarantined": ""}),
+    _counter("quarantined_entries", "Entries removed by a writing worker because a restore found "
+             "an object's bytes matching its name but not the XXH3-128 their manifest records (the "
+             "manifest is what is wrong); the next capture of their prefix publishes them again.",
+             None, {"entries_quarantined": ""}),
     _counter("offered_tokens", "Tokens offered to the scheduler beyond the local hit.", None,
              {"offered_tokens": ""}),
     _counter("captures", "Captures by outcome, one per rank's shard.", "outcome",

@@ -78,8 +78,9 @@ class StoredPages:
     """The stored pages a load reads: pages ``first_page ..`` of an entry of ``block_count``
     blocks in pages of ``blocks_per_page``, found by a lookup under ``identity_digest``. The
     scheduler's lookup hands them to the worker so a restore does not look the entry up
-    again; the bytes are still verified (BLAKE3) when read, and an object gone since the
-    lookup fails the load (recompute)."""
+    again; the bytes are still verified (against the XXH3-128 the manifest records) when read,
+    and an object gone since the lookup fails the load (recompute)."""
+    entry_id: str
     identity_digest: str
     first_page: int
     block_count: int
@@ -94,7 +95,7 @@ class StoredPages:
         bpp = handle.blocks_per_page
         first = start_block // bpp
         state = handle.state if end_block == handle.block_count else None
-        return cls(handle.identity_digest, first, handle.block_count, bpp,
+        return cls(handle.entry_id, handle.identity_digest, first, handle.block_count, bpp,
                    tuple(handle.pages[first:pages_needed(end_block, bpp)]), state)
 
 

@@ -293,18 +293,19 @@ class WorkerSide:
         return placed
 
     def _quarantine(self, exc: ObjectError, stored: StoredPages) -> None:
-        """A writing worker removes an object found corrupt, so the next capture of that
-        prefix writes it anew and the restore after it succeeds (a corrupt object whose name
-        is taken would otherwise be refused on every later restore). restore-only writes
-        nothing."""
+        """A writing worker removes what a restore found corrupt (an object whose bytes are
+        not its name's, or an entry whose manifest records another checksum), so the next
+        capture of that prefix writes it anew and the restore after it succeeds (a corrupt
+        object whose name is taken, or a wrong manifest, would otherwise be refused on every
+        later restore). restore-only writes nothing."""
         if exc.reason != Reason.CORRUPT or self.slots is None:
             return
-        size = next((p.size for p in (*stored.pages, stored.state) if p is not None
-                     and p.digest == exc.digest), None)
-        if size is not None and self.store.discard_corrupt(exc.digest, size):
-            logger.warning("sparkcache: removed corrupt page object %s; the next capture of its "
-                           "prefix writes it again", exc.digest)
-            self._add("objects_quarantined")
+        ref = next((p for p in (*stored.pages, stored.state) if p is not None and p.digest == exc.digest), None)
+        removed = self.store.quarantine(stored.entry_id, ref) if ref is not None else ""
+        if removed:
+            logger.warning("sparkcache: removed the corrupt %s (%s of entry %s); the next capture of "
+                           "its prefix writes it again", removed, exc.digest, stored.entry_id)
+            self._add("objects_quarantined" if removed == "object" else "entries_quarantined")
 
     def _stored_pages(self, plan: LoadPlan) -> StoredPages | None:
         """The pages to read: those the scheduler's lookup found, when it looked under this

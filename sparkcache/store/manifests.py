@@ -8,11 +8,12 @@ The body is checked against the header digest on every decode, so any flipped or
 byte makes the manifest ``corrupt``. Every field is validated; page names must be BLAKE3
 hex digests (never paths), so a manifest cannot point outside the store.
 
-Each page (and state) is ``[name, size, checksum]``: the object's BLAKE3 name, its size and its
-XXH3-128 (32 hex characters), which a restore checks instead of re-hashing BLAKE3 (about three
-times faster; ``docs/CONNECTOR.md``, "Verification"). Format 2 manifests (``[name, size]``,
-written before the checksum) are still read, and a format 3 entry that reuses such a page keeps
-its ``[name, size]``; a page without a checksum is verified by its BLAKE3 name.
+Each page (and the state) also has its XXH3-128 (32 hex characters) in ``checksums`` (one per
+page, in page order) and ``state_checksum``: a restore checks that instead of re-hashing BLAKE3
+(about three times faster; ``docs/CONNECTOR.md``, "Verification"). They are optional fields of the
+same format 2, so a sparkcache that predates them reads these manifests (and keeps their objects)
+and verifies by the names; a manifest without them (written before, or a page reused from such an
+entry: ``null`` in its place) is verified by its BLAKE3 names.
 
 An entry of a hybrid model also names a ``state`` object: the recurrent (Mamba /
 linear-attention) state of every recurrent layer after exactly ``block_count`` blocks, in
@@ -34,8 +35,7 @@ from .reasons import Reason
 
 MAGIC = b"SPKM1 "
 HEADER_BYTES = len(MAGIC) + 64 + 1  # the header: magic, the body's sha256 in hex, newline
-FORMAT = 3  # 3: each object with its XXH3-128; 2: BLAKE3 names only (1, never released: sha256)
-READABLE_FORMATS = (2, 3)
+FORMAT = 2  # 2: page objects named by BLAKE3 (1, never released: sha256)
 # 1M tokens in 16-token blocks is 62,500 keys of ~70 bytes: 4.4 MB. Larger is not ours.
 MAX_MANIFEST_BYTES = 16 << 20
 _MAX_NESTING = 16  # the body is four levels deep; deeper JSON is refused before parsing
@@ -65,6 +65,7 @@ class PageRef:
     checksum: str | None = None
 
     def to_json(self) -> list:
+        """``[name, size]`` or ``[name, size, checksum]`` (the store's snapshot rows)."""
         return [self.digest, self.size] if self.checksum is None else [self.digest, self.size, self.checksum]
 
 
@@ -111,11 +112,15 @@ def encode(manifest: Manifest) -> bytes:
         "identity": manifest.identity.to_dict(),
         "block_keys": list(manifest.block_keys),
         "blocks_per_page": manifest.blocks_per_page,
-        "pages": [p.to_json() for p in manifest.pages],
+        "pages": [[p.digest, p.size] for p in manifest.pages],
         "created_at": manifest.created_at,
     }
+    if any(p.checksum is not None for p in manifest.pages):
+        fields["checksums"] = [p.checksum for p in manifest.pages]
     if manifest.state is not None:
-        fields["state"] = manifest.state.to_json()
+        fields["state"] = [manifest.state.digest, manifest.state.size]
+        if manifest.state.checksum is not None:
+            fields["state_checksum"] = manifest.state.checksum
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
 
@@ -180,11 +185,10 @@ def _is_count(value: object) -> bool:
 def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
                  expected_identity_digest: str | None) -> Manifest:
     """``raw``: the decoded JSON body, whose values are of any type until checked here."""
-    version = raw.get("format")
-    if isinstance(version, bool) or version not in READABLE_FORMATS:
-        raise ManifestError(Reason.CORRUPT, f"format {version!r}, this sparkcache reads formats "
-                            f"{', '.join(map(str, READABLE_FORMATS))} (pages named by BLAKE3): delete the "
-                            "manifest or start a new SPARKCACHE_NAMESPACE")
+    if raw.get("format") != FORMAT or type(raw.get("format")) is not int:
+        raise ManifestError(Reason.CORRUPT, f"format {raw.get('format')!r}, this sparkcache reads format "
+                            f"{FORMAT} (pages named by BLAKE3): delete the manifest or start a new "
+                            "SPARKCACHE_NAMESPACE")
     if not isinstance(raw.get("identity"), dict):
         raise ManifestError(Reason.CORRUPT, "identity must be a JSON object")
     identity = Identity.from_dict(raw["identity"])
@@ -196,9 +200,15 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
     if not _is_count(bpp) or bpp == 0:
         raise ManifestError(Reason.CORRUPT, f"blocks_per_page {bpp!r}")
     if not isinstance(raw.get("pages"), list):
-        raise ManifestError(Reason.CORRUPT, "pages must be a list of [name, size, checksum]")
-    pages = [_page_ref(item, "page", version) for item in raw["pages"]]
-    state = _page_ref(raw["state"], "state", version) if raw.get("state") is not None else None
+        raise ManifestError(Reason.CORRUPT, "pages must be a list of [name, size]")
+    checksums = raw.get("checksums", [None] * len(raw["pages"]))
+    if type(checksums) is not list or len(checksums) != len(raw["pages"]):
+        raise ManifestError(Reason.CORRUPT, "checksums must be a list with one entry per page")
+    pages = [_page_ref(item, "page", checksum) for item, checksum in zip(raw["pages"], checksums)]
+    state = (_page_ref(raw["state"], "state", raw.get("state_checksum")) if raw.get("state") is not None
+             else None)
+    if state is None and raw.get("state_checksum") is not None:
+        raise ManifestError(Reason.CORRUPT, "state_checksum without a state")
     if len(pages) != pages_needed(len(keys), bpp):
         raise ManifestError(Reason.CORRUPT, f"{len(pages)} pages for {len(keys)} blocks at {bpp}/page")
     entry_id = raw.get("entry_id")
@@ -215,21 +225,19 @@ def _from_fields(raw: dict[str, Any], expected_entry_id: str | None,
     return Manifest(entry_id, identity, keys, bpp, tuple(pages), float(created), state)
 
 
-def _page_ref(item: object, what: str, version: int = FORMAT) -> PageRef:
-    # format 3: a ref reused from a format 2 entry keeps its two fields (verified by its name)
-    lengths, shape = ((2, 3), "[name, size, checksum]") if version >= 3 else ((2,), "[name, size]")
-    if not isinstance(item, list) or len(item) not in lengths:
-        raise ManifestError(Reason.CORRUPT, f"{what} {item!r:.80} is not {shape}")
-    digest, size, *checksum = item
+def _page_ref(item: object, what: str, checksum: object = None) -> PageRef:
+    if not isinstance(item, list) or len(item) != 2:
+        raise ManifestError(Reason.CORRUPT, f"{what} {item!r:.80} is not [name, size]")
+    digest, size = item
     if not is_object_digest(digest):
         raise ManifestError(Reason.UNSAFE_PATH, f"{what} name {digest!r:.80} is not a BLAKE3 digest "
                             "(paths, '..' and absolute names are refused)")
     if not _is_count(size) or size > MAX_PAGE_BYTES:
         raise ManifestError(Reason.CORRUPT, f"{what} size {size!r:.40}")
-    if checksum and not is_checksum(checksum[0]):
-        raise ManifestError(Reason.CORRUPT, f"{what} checksum {checksum[0]!r:.40} is not 32 lower-case hex "
+    if checksum is not None and not is_checksum(checksum):
+        raise ManifestError(Reason.CORRUPT, f"{what} checksum {checksum!r:.40} is not 32 lower-case hex "
                             "characters (an XXH3-128)")
-    return PageRef(digest, size, *checksum)
+    return PageRef(digest, size, checksum)
 
 
 def is_checksum(value: object) -> bool:

@@ -17,6 +17,7 @@ import stat
 import blake3
 import xxhash
 
+from .manifests import PageRef
 from .reasons import Reason
 from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, open_regular_at,
                      parallel_map, start_writeback, sync_all, write_all)
@@ -112,6 +113,13 @@ class ObjectStore:
         if hasher.hexdigest() != digest:
             raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
         return checksum.hexdigest()
+
+    def check_ref(self, ref: PageRef) -> None:
+        """``check_verified`` of the object ``ref`` names, and its bytes against the XXH3-128
+        ``ref`` records (when it records one): what a restore of it would find."""
+        actual = self.check_verified(ref.digest, ref.size)
+        if ref.checksum is not None and actual != ref.checksum:
+            raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match the XXH3-128 their manifest records")
 
     def _open_checked(self, digest: str, size: int, shard_fd: int | None = None) -> int:
         """An fd of the object, opened without following links, with its size checked."""

@@ -308,7 +308,7 @@ class PageStore:
                 self.objects.check_many_present(pages)
                 if verify:  # one page in memory at a time: an entry can be many GiB
                     for page in pages:
-                        self.objects.check_verified(page.digest, page.size)
+                        self.objects.check_ref(page)
                 break
             except ObjectError as exc:
                 if not self._vanished(entry):
@@ -348,6 +348,22 @@ class PageStore:
         """Remove a page object found corrupt, so that the next publication of its prefix writes
         it anew; False when it is no longer there or no longer corrupt."""
         return self.objects.discard_corrupt(digest, size)
+
+    def quarantine(self, entry_id: str, ref: PageRef) -> str:
+        """After a restore of entry ``entry_id`` refused object ``ref`` as corrupt: remove what
+        is wrong, so the next capture of that prefix stores it anew. ``"object"``: the bytes did
+        not match their name (the object is removed); ``"entry"``: they match their name but
+        not the checksum the manifest records (the entry is removed; its other users keep the
+        object); ``""``: nothing found wrong now (rewritten meanwhile, gone, unreadable)."""
+        try:
+            self.objects.check_ref(ref)
+        except ObjectError as exc:
+            if exc.reason != Reason.CORRUPT:
+                return ""
+            if self.objects.discard_corrupt(ref.digest, ref.size):
+                return "object"
+            return "entry" if self.discard([entry_id]) else ""
+        return ""
 
     def fetch(self, identity: Identity, block_hashes: Sequence[BlockHash]) -> tuple[LookupResult, ReadResult | None]:
         """Lookup plus verified read of the hit; the read is None on a lookup miss."""
@@ -458,8 +474,9 @@ class PageStore:
                                      probe=not self.read_only)
 
     def check_verified(self, ref: PageRef) -> None:
-        """Re-hash one object of an entry; raises ``ObjectError`` unless it is intact."""
-        self.objects.check_verified(ref.digest, ref.size)
+        """Re-hash one object of an entry (its name and the checksum ``ref`` records); raises
+        ``ObjectError`` unless a restore of it would succeed."""
+        self.objects.check_ref(ref)
 
     @staticmethod
     def verify_root(root: str, namespace: str = "default") -> VerifyReport:

@@ -30,8 +30,9 @@ pytestmark = [pytest.mark.slow]
 PROMPT_BLOCKS = 3  # whole blocks before the prompt's tail
 
 
-def _setup(name: str, root, seed: int):
-    """vLLM's Scheduler with sparkcache's connector for ``name``'s layout, and its worker half."""
+def _setup(name: str, root, seed: int, retention_interval: int | None = 0):
+    """vLLM's Scheduler with sparkcache's connector for ``name``'s layout, and its worker half
+    (vLLM's recurrent-state retention: 0, production's, or None, dense)."""
     from sparkcache.settings import load_settings
     from testing.field_worker import FieldWorker
     from testing.vllm_scheduler import make_scheduler, sparkcache_connector
@@ -44,7 +45,8 @@ def _setup(name: str, root, seed: int):
     speculative = {"model": got.facts["model"], "method": method,
                    "num_speculative_tokens": got.facts["num_speculative_tokens"]} if method else None
     scheduler = make_scheduler(sparkcache_connector(extra), hybrid=hybrid, kv_cache_config=got.scheduler,
-                               max_model_len=4096, max_num_batched_tokens=8192, speculative=speculative)
+                               max_model_len=4096, max_num_batched_tokens=8192, speculative=speculative,
+                               retention_interval=retention_interval)
     settings = load_settings(env={}, extra_config=extra)
     return FieldWorker.start(scheduler, got.worker, settings, seed=seed)
 
@@ -258,21 +260,23 @@ def test_a_window_restored_after_a_local_hit_leaves_the_requests_own_blocks_alon
     assert marked["wrong"] == []  # what the load placed (column 2) is the forward's
 
 
+@pytest.mark.parametrize("retention", [0, None], ids=["retention-0", "dense"])
 @pytest.mark.parametrize("name", ["glm5next-mtp", "nemotronh-ngram"])
-def test_with_draft_tokens_scheduled_and_rejected_only_accepted_state_is_stored(name, tmp_path):
+def test_with_draft_tokens_scheduled_and_rejected_only_accepted_state_is_stored(name, retention, tmp_path):
     """Speculative decoding for real on vLLM's scheduler: every decode step schedules the
     drafter's proposals, and the model accepts them on one step and rejects them on the next, so
     the forward writes draft bytes into the KV and the recurrent columns (``FieldWorker``: a
     step computes its drafts too). The next turn repeats the conversation (prompt and every
     accepted token) and adds to it; its entry is published; after a restart it is placed, and
     every placed block and state equals what the forward writes for the accepted tokens. No
-    capture is planned in a step that scheduled drafts for its request (vLLM offers recurrent
-    states at retained boundaries, which a drafting decode step never reaches), so no draft state
-    can be stored."""
+    capture is planned in a step that scheduled drafts for its request, under production's
+    retention and under dense retention, so no draft state can be stored. (The forward writes a
+    drafting step's state after all its drafts into the running column, where vLLM keeps one per
+    position; no capture reads a drafting step's columns, so the difference is not exercised.)"""
     from testing.vllm_scheduler import make_request
 
     root = tmp_path / "store"
-    fw = _setup(name, root, seed=0)
+    fw = _setup(name, root, seed=0, retention_interval=retention)
     bs, k = fw.block_size, fw.scheduler.vllm_config.speculative_config.num_speculative_tokens
     proposals, step_out = {"n": 0}, {}
     drafted: dict[str, int] = {"scheduled": 0, "rejected": 0}

@@ -373,8 +373,12 @@ def classify_manifest(data: bytes, idd: str, entry_id: str):
         return INVALID, ()
     if type(raw) is not dict or not _KEYS <= set(raw):
         return INVALID, ()
-    verdict = VALID if set(raw) == _KEYS else UNSURE
-    if raw["format"] not in (2, 3) or type(raw["format"]) is bool:
+    verdict = VALID if set(raw) - {"checksums"} == _KEYS else UNSURE
+    checksums = raw.get("checksums", [None] * len(raw["pages"]) if type(raw["pages"]) is list else [])
+    if type(checksums) is not list or type(raw["pages"]) is not list or len(checksums) != len(raw["pages"]) \
+            or not all(c is None or _is_hex(c, 32) for c in checksums):
+        return INVALID, ()  # checksums: one XXH3-128 (or null) per page
+    if raw["format"] != 2 or type(raw["format"]) is bool:
         return INVALID, ()
     if not _is_int(raw["format"]):
         verdict = UNSURE
@@ -396,12 +400,10 @@ def classify_manifest(data: bytes, idd: str, entry_id: str):
     if type(pages) is not list:
         return INVALID, ()
     refs = []
-    for item in pages:  # format 3: [name, size, XXH3-128] or, reused from format 2, [name, size]
-        if type(item) is not list or len(item) not in ((2, 3) if raw["format"] == 3 else (2,)):
+    for item in pages:
+        if type(item) is not list or len(item) != 2:
             return INVALID, ()
-        digest, size, *checksum = item
-        if checksum and not _is_hex(checksum[0], 32):
-            return INVALID, ()
+        digest, size = item
         if not _is_hex(digest, 64):
             return INVALID, ()
         if not _is_int(size) or size < 0:
