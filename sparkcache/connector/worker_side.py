@@ -8,8 +8,8 @@ block, whatever the physical stride order and however vLLM splits blocks into ke
 layout is refused like a corrupt one.
 
 Restores read the pages the scheduler's lookup found (``LoadPlan.stored``; no second
-lookup) and read and verify (the XXH3-128 each manifest records) every one of them before any byte is placed (read with
-system calls, so a failing disk or a file truncated under the reader is a refused restore,
+lookup) and read and verify (the XXH3-128 each manifest records) every one of them before
+any byte is placed (read with system calls, so a failing disk or a file truncated under the reader is a refused restore,
 never a signal; ``ObjectStore.read_verified``); a failure of an asynchronous load reports the request
 in ``finished_recving`` and ``failed_recving``, of a synchronous one (``plan.sync``: placed
 before this step's forward) its destination blocks as invalid

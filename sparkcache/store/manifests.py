@@ -58,7 +58,7 @@ class ManifestError(ValueError):
 @dataclass(frozen=True)
 class PageRef:
     """One page object: its BLAKE3 name, its exact size in bytes and its XXH3-128 (hex; None
-    in a format 2 manifest)."""
+    when its manifest records none: written before the checksums)."""
 
     digest: str
     size: int

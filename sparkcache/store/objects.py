@@ -143,9 +143,9 @@ class ObjectStore:
 
     def read_many_verified(self, refs: list, *, parallel: bool = True) -> list[bytearray]:
         """``read_verified`` for several pages (each checked against its ref's checksum), in
-        parallel threads (reads and hashing release the GIL), or with ``parallel=False`` on the calling thread, one after the other (for
-        a caller whose cores are busy anyway: see ``WorkerSide``). Raises the first
-        ``ObjectError`` in page order."""
+        parallel threads (reads and hashing release the GIL), or with ``parallel=False`` on the
+        calling thread, one after the other (for a caller whose cores are busy anyway: see
+        ``WorkerSide``). Raises the first ``ObjectError`` in page order."""
         return _each_in_parallel(lambda ref: self.read_verified(ref.digest, ref.size, ref.checksum), refs,
                                  parallel=parallel)
 

@@ -353,8 +353,9 @@ class PageStore:
         """After a restore of entry ``entry_id`` refused object ``ref`` as corrupt: remove what
         is wrong, so the next capture of that prefix stores it anew. ``"object"``: the bytes did
         not match their name (the object is removed); ``"entry"``: they match their name but
-        not the checksum the manifest records (the entry is removed; its other users keep the
-        object); ``""``: nothing found wrong now (rewritten meanwhile, gone, unreadable)."""
+        not the checksum the manifest records (the entry is removed, with the objects only it
+        referenced, as any discard); ``""``: nothing found wrong now (rewritten meanwhile, gone,
+        unreadable)."""
         try:
             self.objects.check_ref(ref)
         except ObjectError as exc:
