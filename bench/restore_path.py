@@ -1,28 +1,45 @@
-"""Where a restore's time goes, without an engine: the worker's restore of one stored prompt
-into KV tensors laid out as vLLM's CPU backend hands them over, split into its parts.
+"""Where a capture's and a restore's time go, without an engine: the worker half capturing
+one prompt out of KV tensors laid out as vLLM's CPU backend hands them over, publishing it
+with its default capture settings, and restoring it, each split into its parts.
 
-    python -m bench.restore_path --out bench-out/restore_path.json [--prompt-tokens 2048,8192,32768,65536]
-        [--reps 5] [--cold] [--dest-order ascending|descending|shuffled]
+    python -m bench.restore_path --out bench-out/restore_path.json [--prompt-tokens 8192,32768,131072]
+        [--shape bench|70b-tp4] [--reps 5] [--cold] [--dest-order ascending|descending|shuffled]
+        [--capture-only]
 
-Real parts: sparkcache's worker half (``WorkerSide``) and store on disk, vLLM 0.32.0's KV
-cache config types, torch tensors of ``testing.tinymodel.BENCH``'s shape (8 layers, 4 KV
-heads of 64, bf16, 32-token blocks: 8 KiB per token). Per size one prompt is captured and
-published through the worker (as the engine does), then, ``--reps`` times each, timed on
-this thread:
+Shapes: ``bench`` is ``testing.tinymodel.BENCH`` (8 layers, 4 KV heads of 64, bf16: 8 KiB per
+token); ``70b-tp4`` is one rank of a 70B-class GQA model at tensor parallel 4 (80 layers, 2 of
+its 8 KV heads of 128, bf16: 80 KiB per token, 10 GiB at 128K tokens). Blocks of 32 tokens
+(vLLM's CPU backend).
+
+Real parts: sparkcache's worker half (``WorkerSide``) with its default
+``SPARKCACHE_CAPTURE_SLOTS`` and ``SPARKCACHE_CAPTURE_SLOT_BYTES``, its store on disk, vLLM
+0.32.0's KV cache config types. Per size, the capture (once):
+
+- ``capture_call``: the time ``WorkerSide.capture`` keeps the calling (model) thread;
+- ``copied``: until the worker reports the request in ``finished_sending`` (every page
+  copied out of the KV cache: vLLM may free its blocks);
+- ``published``: until the entry is published (copied, hashed, written, durable);
+- ``raw_copy``: the same bytes copied from the KV tensors into one host buffer (no index,
+  no store): what a copy alone costs;
+- ``peak_rss_added``: the process's peak resident memory during the capture above what it
+  was before (sampled every 2 ms), against the bound ``slots x slot bytes``.
+
+Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
 
 - ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``):
   what the disk or page cache gives, no hashing, no placement;
-- ``verify``: the objects read and verified against their manifests' XXH3-128 (``ObjectStore.read_many_verified``, as
-  the worker calls it), nothing placed;
+- ``verify``: the objects read and verified against their manifests' XXH3-128
+  (``ObjectStore.read_many_verified``, as the worker calls it), nothing placed;
 - ``place``: the verified pages copied into the destination blocks (the worker's placement
   loop on pages already in memory);
 - ``load``: the worker's whole restore (``WorkerSide.load``: verify then place), checked
-  byte for byte against the captured KV.
+  block by block (XXH3-128 of each restored block against the captured one's).
 
-With ``--cold`` the objects are evicted from the page cache before each timed part that
-reads them. ``--dest-order``: the destination block ids in ascending order (the default), in
-descending order or shuffled (vLLM hands out both after churn). Medians in the JSON, with the
-bytes and GB/s of each part.
+The restore's destination is the captured blocks themselves, zeroed first, in the order
+``--dest-order`` gives (ascending, descending or shuffled: vLLM hands out both after churn),
+so one KV cache of the prompt's size is enough. With ``--cold`` the objects are evicted from
+the page cache before each timed part that reads them. Medians in the JSON, with the bytes
+and GB/s of each part.
 """
 
 from __future__ import annotations
@@ -33,6 +50,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.restore_ttft import _median, _sizes
@@ -41,7 +59,21 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = 32
 
 
-def _worker(root: str, num_blocks: int):
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    kv_heads: int  # on this rank
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+
+SHAPES = {"bench": Shape(8, 4, 64), "70b-tp4": Shape(80, 2, 128)}
+
+
+def _worker(root: str, num_blocks: int, shape: Shape):
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -50,57 +82,137 @@ def _worker(root: str, num_blocks: int):
     from sparkcache.connector.worker_side import WorkerSide
     from sparkcache.settings import load_settings
     from sparkcache.store import Identity
-    from testing.tinymodel import BENCH
 
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(BENCH.num_layers)]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=BENCH.num_kv_heads, head_size=BENCH.head_dim,
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=shape.kv_heads, head_size=shape.head_dim,
                              dtype=torch.bfloat16)
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
     settings = load_settings(env={}, extra_config={"root": root, "access_mode": "read-write",
-                                                    "min_span_tokens": BLOCK, "capture_slot_bytes": "4GiB"})
-    identity = Identity("restore-path-bench", "bf16-8x4x64", BLOCK, 0, "untransformed")
+                                                    "min_span_tokens": BLOCK, "max_bytes": "60GiB",
+                                                    "low_watermark_bytes": "50GiB"})
+    identity = Identity("restore-path-bench", f"bf16-{shape.layers}x{shape.kv_heads}x{shape.head_dim}",
+                        BLOCK, 0, "untransformed")
     worker = WorkerSide(settings, identity, _open_store(settings), config,
                         describe_kv_layout(config))
-    shape = (num_blocks, 2, BLOCK, BENCH.num_kv_heads, BENCH.head_dim)  # vLLM CPU: blocks at dim 0
-    torch.manual_seed(0)
-    worker.register_kv_caches({n: torch.randn(shape).to(torch.bfloat16) for n in layers})
+    kv_shape = (num_blocks, 2, BLOCK, shape.kv_heads, shape.head_dim)  # vLLM CPU: blocks at dim 0
+    gen = torch.Generator().manual_seed(0)
+    worker.register_kv_caches({n: torch.randint(-2**15, 2**15, kv_shape, generator=gen, dtype=torch.int16)
+                              .view(torch.bfloat16) for n in layers})
     return worker
+
+
+def _block_hashes(worker, ids: list[int]) -> list[list[str]]:
+    """XXH3-128 of each of ``ids``'s blocks, per layer."""
+    import torch
+    import xxhash
+
+    return [[xxhash.xxh3_128_hexdigest(kv[b].view(torch.uint8).numpy()) for b in ids]
+            for kv in worker.kv.values()]
+
+
+class _PeakRss:
+    """The process's peak resident memory above its level at the start, sampled every 2 ms."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._rss()) - self.base
+
+
+def _capture(worker, keys: list[str], blocks: int) -> dict:
+    """Capture blocks 0..blocks-1 as a finished request's pages (the engine's path)."""
+    import torch
+
+    from sparkcache.connector.capture_plans import CapturePlan
+
+    nbytes = blocks * sum(v.block_bytes for v in worker.views.values())
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    t = time.perf_counter()
+    at = 0
+    for kv in worker.kv.values():  # the same bytes, one plain copy per layer
+        part = kv[:blocks].reshape(-1)
+        host[at:at + part.numel()].copy_(part)
+        at += part.numel()
+    raw_copy = time.perf_counter() - t
+    del host
+    rss = _PeakRss()
+    t = time.perf_counter()
+    worker.capture(CapturePlan("store", keys, 0, [list(range(blocks))]))
+    call = time.perf_counter() - t
+    copied = None
+    deadline = time.monotonic() + 1800
+    stats = worker.slots.stats
+    while stats.published + stats.publish_failed + stats.skipped_too_large + stats.skipped_slots_full < 1:
+        if copied is None and "store" in worker.take_results()[0]:
+            copied = time.perf_counter() - t
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{blocks} blocks: the capture was not published in 30 minutes")
+        time.sleep(0.001)
+    published = time.perf_counter() - t
+    if copied is None and "store" in worker.take_results()[0]:
+        copied = published
+    peak = rss.stop()
+    if stats.published != 1:
+        raise RuntimeError(f"{blocks} blocks: the capture was not published: {stats}")
+    bound = worker.slots.n_slots * worker.slots.slot_bytes
+    return {"bytes": nbytes, "capture_call_s": call, "copied_s": copied, "published_s": published,
+            "raw_copy_s": raw_copy, "gb_per_s": {"copied": nbytes / copied / 1e9,
+                                                 "published": nbytes / published / 1e9,
+                                                 "raw_copy": nbytes / raw_copy / 1e9},
+            "peak_rss_added": peak, "slot_buffer_bytes": worker.slots.buffer_bytes(),
+            "in_flight_bound": bound, "within_bound": peak <= bound,
+            "skipped_too_large": stats.skipped_too_large}
 
 
 DEST_ORDERS = ("ascending", "descending", "shuffled")
 
 
-def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "ascending") -> dict:
+def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "ascending",
+          shape: Shape = SHAPES["bench"], capture_only: bool = False) -> dict:
     import random
 
     import torch
 
     from bench.page_cache import evict, read_rate
     from sparkcache.connector.keys import BlockKeys
-    from sparkcache.connector.capture_plans import CapturePlan
     from sparkcache.connector.scheduler_side import LoadPlan, StoredPages
 
     blocks = tokens // BLOCK
-    worker = _worker(str(work / f"store-{tokens}"), 2 * blocks + 1)
+    worker = _worker(str(work / f"store-{tokens}"), blocks + 1, shape)
     try:
         keys = BlockKeys(BLOCK).upto(list(range(1, tokens + 1)), blocks)
-        worker.capture(CapturePlan("store", keys, 0, [list(range(blocks))]))
-        deadline = time.monotonic() + 600
-        while worker.slots.stats.published < 1:
-            if worker.slots.stats.publish_failed or time.monotonic() > deadline:
-                raise RuntimeError(f"{tokens} tokens: the capture was not published")
-            time.sleep(0.05)
+        capture = _capture(worker, keys, blocks)
+        out = {"prompt_tokens": tokens, "bytes": capture["bytes"], "capture": capture}
+        if capture_only:
+            return out
         found = worker.store.lookup(worker.identity, keys)
         stored = StoredPages.of(found.handle, 0, blocks)
         paths = [worker.store.objects.path(p.digest) for p in stored.pages]
         nbytes = sum(p.size for p in stored.pages)
-        dest = list(range(blocks, 2 * blocks))  # the second half of the cache
+        dest = list(range(blocks))  # the captured blocks themselves, zeroed before each restore
         if dest_order == "descending":
             dest.reverse()
         elif dest_order == "shuffled":
             random.Random(0).shuffle(dest)
-        reference = {n: kv[:blocks].clone() for n, kv in worker.kv.items()}
+        reference = _block_hashes(worker, list(range(blocks)))
         times: dict[str, list[float]] = {"raw_read": [], "verify": [], "place": [], "load": []}
         for _ in range(reps):
             times["raw_read"].append(read_rate(paths, cold=cold)["seconds"])
@@ -116,7 +228,7 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
             times["place"].append(time.perf_counter() - t)
             del pages
             for kv in worker.kv.values():
-                kv[dest] = 0
+                kv[:blocks] = 0
             if cold:
                 evict(paths)
             t = time.perf_counter()
@@ -124,12 +236,13 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
             times["load"].append(time.perf_counter() - t)
             if worker.take_sync_outcomes() != (["r"], []):
                 raise RuntimeError(f"{tokens} tokens: the restore was refused")
-            if not all(torch.equal(worker.kv[n][dest], reference[n]) for n in worker.kv):
+            if _block_hashes(worker, dest) != reference:
                 raise RuntimeError(f"{tokens} tokens: the restore placed other bytes than were captured")
         med = {k: _median(v) for k, v in times.items()}
-        return {"prompt_tokens": tokens, "bytes": nbytes, "pages": len(stored.pages), "dest_order": dest_order,
-                "median_s": med, "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
-                "load_of_raw_read": med["raw_read"] / med["load"], "all_s": times}
+        out.update({"pages": len(stored.pages), "dest_order": dest_order, "median_s": med,
+                    "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
+                    "load_of_raw_read": med["raw_read"] / med["load"], "all_s": times})
+        return out
     finally:
         worker.close()
 
@@ -137,10 +250,13 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.restore_path", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "restore_path.json")
-    p.add_argument("--prompt-tokens", type=_sizes, default=[2048, 8192, 32768, 65536],
-                   help="sizes in tokens, comma-separated (default 2048,8192,32768,65536)")
+    p.add_argument("--prompt-tokens", type=_sizes, default=[8192, 32768, 131072],
+                   help="sizes in tokens, comma-separated (default 8192,32768,131072)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per size (medians reported)")
     p.add_argument("--cold", action="store_true", help="evict the stored objects before each timed read")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                   help="the KV cache of one rank: the bench model's, or a 70B GQA model's at TP 4")
+    p.add_argument("--capture-only", action="store_true", help="measure the capture alone (no restore)")
     p.add_argument("--dest-order", choices=DEST_ORDERS, default="ascending",
                    help="the order of the destination block ids (default ascending)")
     p.add_argument("--work-dir", default=None, help="where the stores live (default: the system temp dir)")
@@ -154,13 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = []
         for n in sizes:
-            points.append(point(n, args.reps, args.cold, work, args.dest_order))
-            m, g = points[-1]["median_s"], points[-1]["gb_per_s"]
-            print(f"{n:>7} tokens {points[-1]['bytes'] / 1e6:>7.0f} MB: " +
-                  "  ".join(f"{k} {m[k] * 1e3:.1f} ms ({g[k]:.2f} GB/s)" for k in m), flush=True)
+            points.append(point(n, args.reps, args.cold, work, args.dest_order, SHAPES[args.shape],
+                                args.capture_only))
+            c = points[-1]["capture"]
+            line = (f"{n:>7} tokens {points[-1]['bytes'] / 1e6:>7.0f} MB: capture call "
+                    f"{c['capture_call_s'] * 1e3:.2f} ms, copied {c['copied_s']:.2f} s "
+                    f"({c['gb_per_s']['copied']:.2f} GB/s; raw copy {c['gb_per_s']['raw_copy']:.2f}), "
+                    f"published {c['published_s']:.2f} s ({c['gb_per_s']['published']:.2f} GB/s), "
+                    f"peak RSS added {c['peak_rss_added'] / 2**20:.0f} MiB of {c['in_flight_bound'] / 2**20:.0f}")
+            if "median_s" in points[-1]:
+                m, g = points[-1]["median_s"], points[-1]["gb_per_s"]
+                line += "\n" + " " * 8 + "  ".join(f"{k} {m[k] * 1e3:.1f} ms ({g[k]:.2f} GB/s)" for k in m)
+            print(line, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result = {"bench": "restore_path", "page_cache": "cold" if args.cold else "warm", "reps": args.reps,
+    result = {"bench": "restore_path", "shape": args.shape, "page_cache": "cold" if args.cold else "warm", "reps": args.reps,
               "threads": {"torch": __import__("torch").get_num_threads(), "cpus": os.cpu_count()},
               "points": points}
     args.out.parent.mkdir(parents=True, exist_ok=True)

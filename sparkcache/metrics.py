@@ -128,13 +128,15 @@ COUNTERS: tuple[CounterMetric, ...] = (
              None, {"entries_quarantined": ""}),
     _counter("offered_tokens", "Tokens offered to the scheduler beyond the local hit.", None,
              {"offered_tokens": ""}),
-    _counter("captures", "Captures by outcome, one per rank's shard.", "outcome",
+    _counter("captures", "Captures by outcome, one per rank's shard (skipped_too_large: a hybrid "
+             "boundary capture larger than one capture slot; a finished request's streams through "
+             "its slot).", "outcome",
              {"captures_queued": "queued", "captures_published": "published",
               "captures_publish_failed": "publish_failed",
               "captures_skipped_slots_full": "skipped_slots_full",
               "captures_skipped_too_large": "skipped_too_large"}),
     _counter("publish_failures", "Publications refused, by reason (over_capacity, "
-             "low_free_space, no_space, read_only_fs, io_error, lock_timeout, ...), one per "
+             "low_free_space, source_failed, no_space, read_only_fs, io_error, lock_timeout, ...), one per "
              "rank's shard.", "reason", {"publish_failed_" + r: r for r in PUBLISH_FAILURES}),
     _counter("lookup_misses", "Store lookups and page reads that missed, by reason: not_found "
              "(nothing stored under the keys), corrupt or absent (an entry or page that fails "

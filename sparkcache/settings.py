@@ -247,8 +247,10 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "being read or extended from eviction.", minimum=1, maximum=86400),
     SettingRow("CAPTURE_SLOTS", "int", 2, "Asynchronous capture slots per rank.",
                minimum=1, maximum=64),
-    SettingRow("CAPTURE_SLOT_BYTES", "bytes", 3 * _GiB, "Bytes one capture slot may hold.",
-               minimum=_MiB, maximum=1 << 40),
+    SettingRow("CAPTURE_SLOT_BYTES", "bytes", 3 * _GiB, "Host memory of one capture slot: a "
+               "finished request's pages stream through it a slot's worth at a time (an entry of "
+               "any length is stored); a hybrid model's boundary capture (its new pages and "
+               "state, copied in one step) must fit in one.", minimum=64 << 10, maximum=1 << 40),
     SettingRow("MIN_SPAN_TOKENS", "int", 256, "Do not publish or restore spans shorter than "
                "this many tokens.", minimum=0, maximum=1 << 24),
     SettingRow("SYNC_LOADS", "bool", True, "Restore in the step that schedules the request "

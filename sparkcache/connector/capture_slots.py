@@ -1,9 +1,13 @@
 """A bounded number of capture slots, drained by one publisher thread.
 
-The worker copies a finished request's pages out of the KV cache into a slot (so vLLM can
-free the blocks at once) and hands the slot to the publisher, which writes it to the
-store. When every slot is taken, or a capture is larger than one slot, the publication is
-skipped and counted: serving never waits for a slot.
+Each slot owns one host buffer of at most ``slot_bytes`` (made on its first use, kept for
+the process's life: captures never allocate on the serving path). The worker copies a
+capture's pages into its slot, now (a hybrid boundary, whose blocks vLLM may reuse after
+this step) or on the publisher thread a slot's worth at a time (a finished request, whose
+blocks vLLM holds until ``finished_sending``), and the publisher writes them to the store.
+What captures hold in host memory is therefore at most ``n_slots x slot_bytes``. When every
+slot is taken, or a capture that must be copied at once is larger than one slot, the
+publication is skipped and counted: serving never waits for a slot.
 
 A ticket submitted with a ``tag`` is *settled* once its outcome is counted in ``stats``
 (published, failed or cancelled); ``take_settled()`` returns the tags settled since the
@@ -36,18 +40,29 @@ class CaptureSlotStats:
     skipped_too_large: int = 0
 
 
-class CaptureSlots(Generic[Job, Tag]):
-    """``publish(job)`` runs on the publisher thread; its result counts as published when its
-    ``ok`` is true (a ``PublishResult``) or, having none, when it is truthy."""
+@dataclass
+class _Ticket:
+    slot: int
+    since: float
+    nbytes: int
 
-    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Job], object]) -> None:
+
+class CaptureSlots(Generic[Job, Tag]):
+    """``publish(job, buffer)`` runs on the publisher thread with the ticket's slot buffer;
+    its result counts as published when its ``ok`` is true (a ``PublishResult``) or, having
+    none, when it is truthy. ``allocate(nbytes)`` makes a slot's buffer."""
+
+    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Job, memoryview], object],
+                 allocate: Callable[[int], memoryview]) -> None:
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self._publish = publish
-        self._free = n_slots
+        self._allocate = allocate
+        self._free_slots = list(range(n_slots))
+        self._buffers: dict[int, memoryview] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[int, Job] | None] = queue.Queue()
-        self._pending: dict[int, tuple[float, int]] = {}
+        self._pending: dict[int, _Ticket] = {}
         self._tags: dict[int, Tag] = {}
         self._settled: list[Tag] = []
         self.stats = CaptureSlotStats()
@@ -57,19 +72,27 @@ class CaptureSlots(Generic[Job, Tag]):
         self._thread.start()
 
     def try_acquire(self, nbytes: int) -> int | None:
-        """A slot ticket, or None (counted) when no slot is free or nbytes exceeds a slot."""
+        """A slot ticket for a capture holding ``nbytes`` in the slot at a time, or None
+        (counted) when no slot is free or nbytes exceeds a slot."""
         with self._lock:
             if nbytes > self.slot_bytes:
                 self.stats.skipped_too_large += 1
                 return None
-            if self._free == 0:
+            if not self._free_slots:
                 self.stats.skipped_slots_full += 1
                 return None
-            self._free -= 1
             self._seq += 1
-            self._pending[self._seq] = (time.monotonic(), nbytes)
+            self._pending[self._seq] = _Ticket(self._free_slots.pop(), time.monotonic(), nbytes)
             self.stats.queued += 1
             return self._seq
+
+    def buffer(self, ticket: int) -> memoryview:
+        """The slot buffer of a ticket not yet released (``slot_bytes`` long)."""
+        with self._lock:
+            slot = self._pending[ticket].slot
+            if slot not in self._buffers:
+                self._buffers[slot] = self._allocate(self.slot_bytes)
+            return self._buffers[slot]
 
     def submit(self, ticket: int, job: Job, tag: Tag | None = None) -> None:
         if tag is not None:
@@ -82,10 +105,10 @@ class CaptureSlots(Generic[Job, Tag]):
 
     def _release(self, ticket: int) -> None:
         with self._lock:
-            self._pending.pop(ticket, None)
+            held = self._pending.pop(ticket)
             if ticket in self._tags:  # after the outcome was counted in self.stats
                 self._settled.append(self._tags.pop(ticket))
-            self._free += 1
+            self._free_slots.append(held.slot)
             self._idle.notify_all()
 
     def _run(self) -> None:
@@ -96,7 +119,7 @@ class CaptureSlots(Generic[Job, Tag]):
                 return
             ticket, job = item
             try:
-                result = self._publish(job)
+                result = self._publish(job, self.buffer(ticket))
                 ok = bool(getattr(result, "ok", result))
             except Exception:  # a publication failure must never reach the serving path
                 logger.exception("sparkcache: publication failed")
@@ -118,21 +141,26 @@ class CaptureSlots(Generic[Job, Tag]):
 
     def in_use(self) -> int:
         with self._lock:
-            return self.n_slots - self._free
+            return self.n_slots - len(self._free_slots)
 
     def pending_bytes(self) -> int:
         with self._lock:
-            return sum(n for _, n in self._pending.values())
+            return sum(t.nbytes for t in self._pending.values())
+
+    def buffer_bytes(self) -> int:
+        """Host memory the slots' buffers hold (at most ``n_slots x slot_bytes``)."""
+        with self._lock:
+            return sum(b.nbytes for b in self._buffers.values())
 
     def oldest_age(self) -> float:
         with self._lock:
-            return time.monotonic() - min(t for t, _ in self._pending.values()) if self._pending else 0.0
+            return time.monotonic() - min(t.since for t in self._pending.values()) if self._pending else 0.0
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait until every slot is free (shutdown and tests only; never on the serving path)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._free < self.n_slots:
+            while len(self._free_slots) < self.n_slots:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

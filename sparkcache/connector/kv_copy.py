@@ -144,11 +144,40 @@ def page_bytes(layers: Sequence[tuple[BlockView, Sequence[int]]], blocks: int) -
     return blocks * sum(view.block_bytes for view, _ in layers)
 
 
-def gather(layers: Sequence[tuple[BlockView, Sequence[int]]], page_blocks: int) -> list[memoryview]:
+def host_buffer(nbytes: int, pinned: bool) -> memoryview:
+    """``nbytes`` of host memory for captures, page-locked when ``pinned`` (an accelerator's
+    copies into it then run without a bounce). Unpinned, its pages are only backed once
+    written: a slot costs the bytes its largest capture used."""
+    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    return memoryview(t.numpy())  # keeps ``t`` alive
+
+
+def copy_marker(layers: Sequence[tuple[BlockView, Sequence[int]]]) -> object | None:
+    """An event on the current stream of the layers' accelerator (what a later ``gather``
+    on another thread waits for: the forwards that wrote the blocks), or None on the CPU."""
+    cuda = next((v.device for v, _ in layers if v.device.type == "cuda"), None)
+    return None if cuda is None else torch.cuda.current_stream(cuda).record_event()
+
+
+_SIDE_STREAMS: dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    """A copy stream per accelerator, made once, so a capture never queues behind (or holds
+    up) the model's forwards."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def gather(layers: Sequence[tuple[BlockView, Sequence[int]]], page_blocks: int,
+           out: memoryview | None = None, after: object | None = None) -> list[memoryview]:
     """The pages of blocks ``ids`` of every ``(view, ids)`` (all ``ids`` of one length ``n``):
     pages of ``page_blocks`` blocks, the last one short when ``n`` is not a multiple; in each,
     every layer's blocks of that page, layer after layer, block after block. One buffer in
-    host memory under them all; one ``index_select`` per layer."""
+    host memory under them all (``out``'s first bytes when given, else a new one); one
+    ``index_select`` per layer. ``after`` (a ``copy_marker``): on an accelerator the copies
+    run on a side stream once that event is reached, and this returns when they are done."""
     counts = {len(ids) for _, ids in layers}
     if len(counts) > 1:
         raise KVCopyError(f"sparkcache: a capture names {sorted(counts)} blocks in different "
@@ -157,8 +186,27 @@ def gather(layers: Sequence[tuple[BlockView, Sequence[int]]], page_blocks: int) 
     per_block = page_bytes(layers, 1)
     if n == 0 or per_block == 0:
         return []
-    host = bytearray(n * per_block)
-    out = torch.frombuffer(host, dtype=torch.uint8)
+    if out is not None and out.nbytes < n * per_block:
+        raise KVCopyError(f"sparkcache: {n} blocks of {per_block} bytes do not fit a buffer of "
+                          f"{out.nbytes} bytes")
+    host = memoryview(bytearray(n * per_block)) if out is None else out[:n * per_block]
+    if after is not None:
+        stream = _side_stream(next(v.device for v, _ in layers if v.device.type == "cuda"))
+        stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            _gather_into(torch.frombuffer(host, dtype=torch.uint8), layers, n, page_blocks)
+        stream.synchronize()
+    else:
+        _gather_into(torch.frombuffer(host, dtype=torch.uint8), layers, n, page_blocks)
+    full, short = divmod(n, page_blocks)
+    sizes = [page_blocks] * full + ([short] if short else [])
+    starts = [p * page_blocks * per_block for p in range(len(sizes))]
+    return [host[s:s + k * per_block] for s, k in zip(starts, sizes)]
+
+
+def _gather_into(out: torch.Tensor, layers: Sequence[tuple[BlockView, Sequence[int]]], n: int,
+                 page_blocks: int) -> None:
+    per_block = page_bytes(layers, 1)
     full, short = divmod(n, page_blocks)
     before = 0  # bytes of the layers before this one, per block
     for (view, _), idx in zip(layers, _indices(layers)):
@@ -171,10 +219,6 @@ def gather(layers: Sequence[tuple[BlockView, Sequence[int]]], page_blocks: int) 
             at = full * page_blocks * per_block + before * short
             out[at:at + short * bb].view(short, bb).copy_(got[full * page_blocks:])
         before += bb
-    view_all = memoryview(host)
-    sizes = [page_blocks] * full + ([short] if short else [])
-    starts = [p * page_blocks * per_block for p in range(len(sizes))]
-    return [view_all[s:s + k * per_block] for s, k in zip(starts, sizes)]
 
 
 def _source(page: PageBuffer) -> torch.Tensor:
@@ -219,11 +263,22 @@ def place(layers: Sequence[tuple[BlockView, Sequence[int]]], page: PageBuffer, p
     return placed
 
 
-def gather_parts(parts: Sequence[Sequence[tuple[BlockView, Sequence[int]]]]) -> memoryview:
+def gather_parts(parts: Sequence[Sequence[tuple[BlockView, Sequence[int]]]],
+                 out: memoryview | None = None) -> memoryview:
     """One object of several parts, part after part: each a page of all its layers' blocks
-    (``gather`` with one page for every id of the part)."""
-    pages = [gather(layers, len(layers[0][1]))[0] for layers in parts if layers and layers[0][1]]
-    return pages[0] if len(pages) == 1 else memoryview(b"".join(pages))
+    (``gather`` with one page for every id of the part), in ``out``'s first bytes when given."""
+    parts = [layers for layers in parts if layers and layers[0][1]]
+    sizes = [page_bytes(layers, len(layers[0][1])) for layers in parts]
+    if out is None:
+        out = memoryview(bytearray(sum(sizes)))
+    if out.nbytes < sum(sizes):
+        raise KVCopyError(f"sparkcache: an object of {sum(sizes)} bytes does not fit a buffer of "
+                          f"{out.nbytes} bytes")
+    at = 0
+    for layers, size in zip(parts, sizes):
+        gather(layers, len(layers[0][1]), out[at:at + size])
+        at += size
+    return out[:at]
 
 
 def place_parts(parts: Sequence[tuple[Sequence[tuple[BlockView, Sequence[int]]], int, int]],

@@ -35,14 +35,16 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from sparkcache.metrics import store_gauges
 from sparkcache.store import cpus
 from sparkcache.store import ObjectError
 from sparkcache.store.manifests import pages_needed
 from sparkcache.store.reasons import Reason
+from sparkcache.store.streams import PageSourceError, PageStream
 
 from . import kv_copy
 from .capture_plans import NULL_BLOCK_ID, CapturePlan
@@ -64,9 +66,21 @@ logger = logging.getLogger("sparkcache.connector")
 
 @dataclass
 class _PublishJob:
+    """One capture's publication. A streamed job's pages are copied on the publisher thread,
+    ``chunk_blocks`` blocks at a time, from the blocks vLLM holds for it until
+    ``finished_sending``; another's were copied into its slot before it was queued."""
+
+    req_id: str
     keys: list[str]
-    pages: list[memoryview | None]  # None: a page a stored entry holds (``CapturePlan.reuse_pages``)
+    reuse_pages: int  # leading pages a stored entry holds (published as None)
+    layers: list[tuple[kv_copy.BlockView, list[int]]]  # the page layers and their source ids
+    chunk_blocks: int
+    queued_at: float  # time.monotonic() when the plan arrived
+    marker: object | None = None  # streamed, on an accelerator: the event its copies wait for
+    first: Future | None = None  # streamed: the copy of its first chunk (the copier thread's)
+    pages: list[memoryview] | None = None  # copied already: the new pages; None: streamed
     state: memoryview | None = None
+    released: bool = False  # streamed: reported in finished_sending (exactly once)
 
 
 class WorkerSide:
@@ -84,6 +98,7 @@ class WorkerSide:
         self.views: dict[str, kv_copy.BlockView] = {}  # the stored layers, by manager block
         self.read_in_parallel = True  # see register_kv_caches
         self.finished_sending: set[str] = set()
+        self._released: set[str] = set()  # streamed captures copied (publisher thread, under the lock)
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         self.invalid_block_ids: set[int] = set()   # synchronous loads that failed, this step
@@ -105,7 +120,10 @@ class WorkerSide:
                         "VLLM_CPU_OMP_THREADS_BIND) %s; publication and "
                         "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
-                                      self._publish)
+                                      self._publish, self._host_buffer)
+            # copies a streamed capture's first chunk as soon as its plan arrives (off the
+            # model's CPUs, at its priority: vLLM holds the blocks until it is done)
+            self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_off_model_cpus)
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
     def take_observations(self) -> dict[str, list[float]]:
@@ -192,6 +210,10 @@ class WorkerSide:
 
     def _block_bytes(self, name: str) -> int:
         return self.views[name].block_bytes
+
+    def _host_buffer(self, nbytes: int) -> memoryview:
+        """A capture slot's buffer: pinned when the KV cache is on a CUDA device."""
+        return kv_copy.host_buffer(nbytes, pinned=any(v.device.type == "cuda" for v in self.views.values()))
 
     def _usable(self) -> bool:
         return (self.store is not None and bool(self.views)
@@ -325,54 +347,130 @@ class WorkerSide:
     # ------------------------------------------------------------------ capture
 
     def capture(self, plan: CapturePlan) -> None:
-        """A finished request's capture: copy the pages out now (its blocks are free-able
-        once ``finished_sending`` reports it) and queue the publication. A hybrid plan (one
-        with a state) waits for this step's forward, which writes its state
-        (``capture_after_forward``)."""
+        """A capture plan of this step. A finished request's (no boundary object) streams:
+        the publisher thread copies its pages a slot's worth at a time and reports the
+        request in ``finished_sending`` once the last is copied (vLLM holds its blocks until
+        then). A hybrid plan (one with a boundary object) waits for this step's forward, which
+        writes its state, and is copied whole right after it (``capture_after_forward``):
+        vLLM may hand those blocks to another request at the next step."""
         if plan.state_block_ids is not None:
             self.after_forward.append(plan)
             return
-        self.finished_sending.add(plan.req_id)
-        self._capture(plan)
+        job = self._job(plan, streamed=True)
+        if job is None:
+            self.finished_sending.add(plan.req_id)
 
     def capture_after_forward(self) -> None:
         plans, self.after_forward = self.after_forward, []
         for plan in plans:
-            self._capture(plan)
+            self._job(plan, streamed=False)
 
-    def _capture(self, plan: CapturePlan) -> None:
+    def _job(self, plan: CapturePlan, streamed: bool) -> _PublishJob | None:
+        """Queue the publication of ``plan`` (a streamed one copies on the publisher thread,
+        another is copied into its slot here); None (settled) when it is skipped or fails."""
         if self.slots is None or not self._usable():
             self._settled.append(plan.req_id)
-            return
+            return None
         n = len(plan.keys)
         first = plan.reuse_pages * self.bpp
-        layers = self._page_layers()
-        boundary = plan.state_block_ids is not None
-        nbytes = ((n - first) * sum(self._block_bytes(name) for _, name in layers)
-                  + (self._boundary_bytes(n) if boundary else 0))
+        layers = [(self.views[name], plan.block_ids[g]) for g, name in self._page_layers()]
+        per_block = kv_copy.page_bytes(layers, 1)
+        if streamed and not per_block:
+            self._settled.append(plan.req_id)  # no page layer: nothing to store
+            return None
+        if streamed:  # a slot's worth of whole pages at a time (a page larger than a slot: skipped)
+            chunk_blocks = max(1, self.slots.slot_bytes // (per_block * self.bpp)) * self.bpp
+            nbytes = min(n - first, chunk_blocks) * per_block
+        else:
+            chunk_blocks = n - first
+            nbytes = (n - first) * per_block + self._boundary_bytes(n)
         ticket = self.slots.try_acquire(nbytes)
         if ticket is None:
             self._settled.append(plan.req_id)  # skipped and counted by the slots
-            return
+            return None
+        job = _PublishJob(plan.req_id, list(plan.keys), plan.reuse_pages, layers, chunk_blocks,
+                          time.monotonic())
         try:
             counts = [len(plan.block_ids[g]) for g in self.layout.page_groups]
             if any(c != n - first for c in counts):
                 raise kv_copy.KVCopyError(f"the capture plan names {counts} block ids per group "
                                           f"for the {n - first} blocks {first}..{n - 1}")
-            pages: list[memoryview | None] = [None] * plan.reuse_pages
-            if layers:
-                pages += kv_copy.gather([(self.views[name], plan.block_ids[g]) for g, name in layers], self.bpp)
-            else:  # every layer windowed (Mistral): the entry is its boundary object, pages are empty
-                pages += [memoryview(b"")] * (pages_needed(n, self.bpp) - plan.reuse_pages)
-            state = kv_copy.gather_parts(self._boundary_sources(plan)) if boundary else None
+            if streamed:
+                job.marker = kv_copy.copy_marker(layers)
+                # copied at once (its blocks released when it is the last), not behind the
+                # writing of the captures queued before it
+                job.first = self._copier.submit(self._copy_chunk, job, 0, self.slots.buffer, ticket)
+            else:
+                buffer = self.slots.buffer(ticket)
+                job.pages = (self._gather_pages(layers, buffer) if layers else  # windows only: no pages
+                             [memoryview(b"")] * (pages_needed(n, self.bpp) - plan.reuse_pages))
+                job.state = kv_copy.gather_parts(self._boundary_sources(plan), buffer[(n - first) * per_block:])
+                self._add("captured_state_bytes", len(job.state))
         except Exception:
             self.slots.cancel(ticket)
             self._settled.append(plan.req_id)
             logger.exception("sparkcache: capture of %s failed", plan.req_id)
-            return
-        self._add("captured_page_bytes", sum(len(p) for p in pages if p is not None))
-        self._add("captured_state_bytes", len(state) if state is not None else 0)
-        self.slots.submit(ticket, _PublishJob(list(plan.keys), pages, state), tag=plan.req_id)
+            return None
+        self.slots.submit(ticket, job, tag=plan.req_id)
+        return job
+
+    def _gather_pages(self, layers: list[tuple[kv_copy.BlockView, list[int]]], buffer: memoryview,
+                      marker: object | None = None) -> list[memoryview]:
+        """The pages of ``layers``' blocks, copied into ``buffer``; counted as captured."""
+        pages = kv_copy.gather(layers, self.bpp, buffer, after=marker)
+        self._add("captured_page_bytes", sum(len(p) for p in pages))
+        return pages
+
+    def _stream(self, job: _PublishJob, buffer: memoryview) -> PageStream:
+        """A streamed job's pages, a chunk at a time as the store asks for them: the first
+        copied by the copier thread when the plan arrived, each next one into the same buffer
+        once the store wrote the one before."""
+        n_new = len(job.layers[0][1])
+        per_page = kv_copy.page_bytes(job.layers, 1) * self.bpp
+        sizes = [None] * job.reuse_pages + [per_page * min(self.bpp, n_new - k) // self.bpp
+                                            for k in range(0, n_new, self.bpp)]
+
+        def chunks() -> Iterator[list[memoryview]]:
+            yield job.first.result()  # raises what the copy raised
+            for lo in range(job.chunk_blocks, n_new, job.chunk_blocks):
+                yield self._copy_chunk(job, lo, lambda _: buffer, None)
+
+        return PageStream(tuple(sizes), chunks)
+
+    def _copy_chunk(self, job: _PublishJob, lo: int, buffer_of, ticket: int | None) -> list[memoryview]:
+        """Copy blocks ``lo ..`` (a chunk) of a streamed job into its slot's buffer
+        (``buffer_of(ticket)``); the blocks are released to vLLM once the last chunk is copied."""
+        n_new = len(job.layers[0][1])
+        hi = min(n_new, lo + job.chunk_blocks)
+        part = {id(ids): ids[lo:hi] for _, ids in job.layers}  # one index per group
+        try:
+            pages = self._gather_pages([(v, part[id(ids)]) for v, ids in job.layers], buffer_of(ticket),
+                                       job.marker)
+        except Exception as exc:
+            raise PageSourceError(f"the copy of {job.req_id}'s blocks failed: {exc!r}") from exc
+        self._check_lease(job)
+        if hi == n_new:
+            self._release_blocks(job)
+        return pages
+
+    def _check_lease(self, job: _PublishJob) -> None:
+        """With the GPU lease, vLLM frees a finished request's blocks at its deadline, copied or
+        not: a copy that ends past half the lease (a margin for the time the plan took to get
+        here) may hold another request's bytes, and is never published."""
+        lease = self.settings.gpu_lease_seconds
+        took = time.monotonic() - job.queued_at
+        if lease is not None and took >= lease / 2:
+            raise PageSourceError(
+                f"the copy of {job.req_id}'s blocks took {took:.2f} s, past half the GPU lease "
+                f"(sparkcache_gpu_lease_seconds={lease}): vLLM may have given them to another "
+                "request, so nothing is published. Fix: raise the lease, or "
+                "SPARKCACHE_CAPTURE_SLOT_BYTES so that an entry is copied whole before it is written")
+
+    def _release_blocks(self, job: _PublishJob) -> None:
+        with self._counters_lock:
+            if not job.released:
+                job.released = True
+                self._released.add(job.req_id)
 
     def _boundary_sources(self, plan: CapturePlan) -> list[list[tuple[kv_copy.BlockView, list[int]]]]:
         """The blocks a capture's boundary object is copied from (``kv_copy.gather_parts``),
@@ -388,9 +486,14 @@ class WorkerSide:
             parts.append([(self.views[name], ids) for name in self._layers(g)])
         return parts
 
-    def _publish(self, job: _PublishJob) -> PublishResult:
-        result = self.store.publish(self.identity, job.keys, job.pages, blocks_per_page=self.bpp,
-                                    state=job.state)
+    def _publish(self, job: _PublishJob, buffer: memoryview) -> PublishResult:
+        try:
+            pages = self._stream(job, buffer) if job.pages is None else [None] * job.reuse_pages + job.pages
+            result = self.store.publish(self.identity, job.keys, pages, blocks_per_page=self.bpp,
+                                        state=job.state)
+        finally:
+            if job.pages is None:
+                self._release_blocks(job)  # a refusal before or during the copy: vLLM frees them
         self.samples.add("publication_seconds", result.duration_s)
         if result.ok:
             self.samples.add("publication_bytes", result.bytes_written)
@@ -405,6 +508,9 @@ class WorkerSide:
     # ------------------------------------------------------------------ results
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        with self._counters_lock:
+            self.finished_sending |= self._released
+            self._released = set()
         out = (self.finished_sending, self.finished_recving, self.failed_recving)
         self.finished_sending, self.finished_recving, self.failed_recving = set(), set(), set()
         return out
@@ -458,5 +564,6 @@ class WorkerSide:
     def close(self) -> None:
         if self.slots is not None:
             self.slots.close()
+            self._copier.shutdown(wait=True)
         if self.maintenance is not None:
             self.maintenance.stop()

@@ -20,7 +20,6 @@ import threading
 import time
 from typing import Sequence
 
-from .buffers import byte_view
 from .accesses import AccessRecorder
 from .catalog import Catalog
 from .clocks import SYSTEM_CLOCK, Clock
@@ -37,6 +36,7 @@ from .reasons import Reason
 from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,
                       RecoveryReport, os_failure)
 from .staging import Staging, read_live_intents
+from .streams import PageSourceError, PageStream
 from .verify import VerifyReport, verify_store
 from .writers import claim_writer
 from ..settings import Settings, check_number, format_bytes
@@ -137,7 +137,7 @@ class PageStore:
     # ------------------------------------------------------------------ publish
 
     def publish(self, identity: Identity, block_hashes: Sequence[BlockHash],
-                pages: Sequence[bytes | memoryview | None], *,
+                pages: Sequence[bytes | memoryview | None] | PageStream, *,
                 blocks_per_page: int | None = None,
                 state: bytes | memoryview | None = None) -> PublishResult:
         """Publish the prefix ``block_hashes`` with its page bytes.
@@ -149,22 +149,26 @@ class PageStore:
         ``pages[i]`` holds blocks ``[i*bpp, (i+1)*bpp)`` (the last page may be short). A page
         given as ``None`` is taken from the stored entry that already holds exactly those
         blocks (copy-on-write growth without re-capturing); page objects that already exist
-        are reused, never rewritten. ``state``: a hybrid model's recurrent state after the
-        last block, stored as one more object of the entry.
+        are reused, never rewritten. ``pages`` may be a ``PageStream`` (its pages produced a
+        chunk at a time, so an entry of any length goes through a bounded buffer; a producer
+        that fails refuses the publication with ``source_failed``). ``state``: a hybrid
+        model's recurrent state after the last block, stored as one more object of the entry.
         """
         if self.read_only:
             raise PermissionError(f"{self.layout.base}: opened read-only; publishing needs a "
                                   "writer (read-write or store-only)")
         started = time.monotonic()
         # any C-contiguous buffer, by its bytes: len() of a 2-D or typed view is not its size
-        pages = [None if p is None else byte_view(p, f"page {i}") for i, p in enumerate(pages)]
-        state = None if state is None else byte_view(state, "state")
+        stream = pages if isinstance(pages, PageStream) else PageStream.of(pages)
+        if state is not None:
+            stream = stream.followed_by(state)
+        sizes = stream.sizes[:len(stream.sizes) - (state is not None)]
         bpp = blocks_per_page or self.page_blocks
         keys = block_keys(block_hashes)
         if not keys:
             raise ValueError("publish: block_hashes is empty; an entry holds at least one block")
-        if len(pages) != pages_needed(len(keys), bpp):
-            raise ValueError(f"publish: {len(pages)} pages for {len(keys)} blocks at {bpp} "
+        if len(sizes) != pages_needed(len(keys), bpp):
+            raise ValueError(f"publish: {len(sizes)} pages for {len(keys)} blocks at {bpp} "
                              f"blocks/page; expected {pages_needed(len(keys), bpp)}")
         idd = identity.digest()
         entry_id = entry_id_for(idd, keys[-1])
@@ -177,8 +181,7 @@ class PageStore:
                                     "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
             # what this publication allocates at most: its new objects and the manifest
             unit = self.catalog.alloc_unit
-            incoming = (sum(allocated(len(p), unit) for p in pages if p is not None) + unit
-                        + (allocated(len(state), unit) if state is not None else 0))
+            incoming = sum(allocated(n, unit) for n in stream.sizes if n is not None) + unit
             if self.free_space_deficit(incoming) > 0:
                 # maintenance frees what this publication needed, not only what the floor does
                 self.free_wanted = max(self.free_wanted, incoming)
@@ -189,19 +192,18 @@ class PageStore:
                                     f"{format_bytes(self.min_free_bytes)}; maintenance evicts to "
                                     "restore it (free space on the volume, or lower the floor)")
             try:
-                reused_refs = self._resolve_missing_pages(idd, keys, bpp, pages)
+                reused_refs = self._resolve_missing_pages(idd, keys, bpp, sizes)
             except LookupError as exc:
                 return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
-        declared = (sum(len(p) for p in pages if p is not None) + sum(r.size for r in reused_refs.values())
-                    + (len(state) if state is not None else 0))
-        too_much = self.catalog.limits.refusal_of(len(pages) + (state is not None), declared, len(keys))
+        declared = stream.given_bytes + sum(r.size for r in reused_refs.values())
+        too_much = self.catalog.limits.refusal_of(len(stream.sizes), declared, len(keys))
         if too_much is not None:
             return self._failed(Reason.OVER_CAPACITY, started, entry_id, too_much)
         staging = Staging(self.layout)
         writer = PublicationWriter(self, staging)
         try:
             staging.open()
-            refs = writer.write_pages([*pages, *([state] if state is not None else [])], reused_refs)
+            refs = writer.write_pages(stream, reused_refs)
             state_ref = refs.pop() if state is not None else None
             manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time(),
                                 state_ref)
@@ -216,6 +218,8 @@ class PageStore:
                 raise
         except BaseObjectGone as exc:
             return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
+        except PageSourceError as exc:
+            return self._failed(Reason.SOURCE_FAILED, started, entry_id, str(exc))
         except (OSError, UnsafePathError) as exc:  # LockTimeout is an OSError too
             reason, detail = os_failure(exc)
             return self._failed(reason, started, entry_id, detail)
@@ -233,8 +237,8 @@ class PageStore:
         return result
 
     def _resolve_missing_pages(self, idd: str, keys: list[str], bpp: int,
-                               pages: Sequence[bytes | memoryview | None]) -> dict[int, PageRef]:
-        wanted = [i for i, p in enumerate(pages) if p is None]
+                               sizes: Sequence[int | None]) -> dict[int, PageRef]:
+        wanted = [i for i, n in enumerate(sizes) if n is None]
         if not wanted:
             return {}
         entry, depth = self.catalog.longest_match(idd, keys)

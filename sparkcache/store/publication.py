@@ -26,6 +26,7 @@ from .locks import PUBLISH_WAIT_S, shared_lock
 from .manifests import PageRef
 from .objects import name_and_checksum
 from .staging import Staging
+from .streams import PageSourceError, PageStream
 
 if TYPE_CHECKING:
     from .pagestore import PageStore
@@ -50,30 +51,32 @@ class PublicationWriter:
         self._open: list[tuple[int, str, str]] = []  # (fd, digest, temp path)
         self._in_flight: list[tuple[int, int]] = []  # (fd, bytes) with write-back started
 
-    def write_pages(self, pages: Sequence[bytes | memoryview | None], reused: dict[int, PageRef]) -> list[PageRef]:
-        """Hash and write ``pages`` (None: the ``reused`` ref at that index). Returns the
-        manifest's page refs in order. The last sync round is left for ``commit``."""
+    def write_pages(self, stream: PageStream, reused: dict[int, PageRef]) -> list[PageRef]:
+        """Hash and write the pages of ``stream`` a chunk at a time (a page given as None:
+        the ``reused`` ref at that index). Returns the manifest's page refs in order. The last
+        sync round is left for ``commit``. A chunk's buffers are done with before the next
+        chunk is asked for: ``write_all`` copies them into the page cache."""
         self._declare_reused(list(reused.values()))
-        given = [p for p in pages if p is not None]
-        big = sum(map(len, given)) > _PARALLEL_HASH_BYTES
-        digests: Iterator[tuple[str, str]] = (parallel_imap(name_and_checksum, given, "publish") if big
-                                              else map(name_and_checksum, given))
-        refs: list[PageRef] = []
+        refs: list[PageRef | None] = [reused.get(i) for i in range(len(stream.sizes))]
         seen: set[str] = set()
-        for i, page in enumerate(pages):
-            if page is None:
-                refs.append(reused[i])
-                continue
-            digest, checksum = next(digests)
-            refs.append(PageRef(digest, len(page), checksum))
-            if digest in seen:
-                continue
-            seen.add(digest)
-            if self._claim(digest, len(page)):
-                self._write_temp(digest, page)
-                if len(self._open) >= _SYNC_BATCH:
-                    self._sync_round()
-        return refs
+        for chunk in stream.checked_chunks():
+            views = [page for _, page in chunk]
+            big = sum(map(len, views)) > _PARALLEL_HASH_BYTES
+            digests: Iterator[tuple[str, str]] = (parallel_imap(name_and_checksum, views, "publish") if big
+                                                  else map(name_and_checksum, views))
+            for (i, page), (digest, checksum) in zip(chunk, digests):
+                refs[i] = PageRef(digest, len(page), checksum)
+                if digest in seen:
+                    continue
+                seen.add(digest)
+                if self._claim(digest, len(page)):
+                    self._write_temp(digest, page)
+                    if len(self._open) >= _SYNC_BATCH:
+                        self._sync_round()
+        done = [r for r in refs if r is not None]
+        if len(done) != len(refs):  # checked_chunks and the reused refs cover every index
+            raise PageSourceError(f"pages {[i for i, r in enumerate(refs) if r is None]} were never given")
+        return done
 
     def commit(self, manifest_temp: str, manifest_bytes: bytes, manifest_final: str,
                make_identity_dir: Callable[[], list[str]]) -> None:

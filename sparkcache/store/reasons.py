@@ -22,6 +22,7 @@ class Reason(StrEnum):
     OVER_CAPACITY = "over_capacity"
     LOW_FREE_SPACE = "low_free_space"  # the filesystem's free space under SPARKCACHE_MIN_FREE_BYTES
     BASE_ABSENT = "base_absent"
+    SOURCE_FAILED = "source_failed"  # a streamed capture's copy failed or outlived its blocks' lease
     # Both: the filesystem or a stuck process stopped the operation (a lookup then misses).
     NO_SPACE = "no_space"  # ENOSPC, EDQUOT
     READ_ONLY_FS = "read_only_fs"  # EROFS
@@ -30,7 +31,7 @@ class Reason(StrEnum):
     UNSAFE_PATH = "unsafe_path"  # a link or a wrong file kind where a store directory belongs
 
 
-PUBLISH_FAILURES = (Reason.OVER_CAPACITY, Reason.LOW_FREE_SPACE, Reason.BASE_ABSENT, Reason.NO_SPACE,
-                    Reason.READ_ONLY_FS, Reason.IO_ERROR, Reason.LOCK_TIMEOUT, Reason.UNSAFE_PATH)
+PUBLISH_FAILURES = (Reason.OVER_CAPACITY, Reason.LOW_FREE_SPACE, Reason.BASE_ABSENT, Reason.SOURCE_FAILED,
+                    Reason.NO_SPACE, Reason.READ_ONLY_FS, Reason.IO_ERROR, Reason.LOCK_TIMEOUT, Reason.UNSAFE_PATH)
 LOOKUP_MISSES = (Reason.NOT_FOUND, Reason.CORRUPT, Reason.ABSENT, Reason.NO_SPACE, Reason.READ_ONLY_FS,
                  Reason.IO_ERROR, Reason.LOCK_TIMEOUT, Reason.UNSAFE_PATH)
