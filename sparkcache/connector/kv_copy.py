@@ -36,6 +36,7 @@ The buffers a restore reads are anything with the buffer protocol (``mmap``, ``b
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import warnings
 from dataclasses import dataclass
@@ -77,6 +78,19 @@ class BlockView:
 
     def typed(self, width: int) -> torch.Tensor:
         return self.blocks.view(_BY_WIDTH[width])
+
+
+def block_memory(view: BlockView) -> memoryview | None:
+    """The layer's KV cache as one writable byte buffer from block 0's first byte, when it is
+    in host memory and each manager block's page bytes lie in one run in page order (block
+    ``b`` at ``b * blocks.stride(0)``): a restore then reads a page's bytes straight into
+    its destination blocks (``WorkerSide``), no copy between. None otherwise (a device, or
+    kernel blocks whose tokens are not adjacent)."""
+    b = view.blocks
+    if b.device.type != "cpu" or b.shape[0] == 0 or not b[0].is_contiguous():
+        return None
+    span = (b.shape[0] - 1) * b.stride(0) + view.block_bytes
+    return memoryview((ctypes.c_ubyte * span).from_address(b.data_ptr())).cast("B")
 
 
 def _widest(t: torch.Tensor, at_most: int = 16) -> int:

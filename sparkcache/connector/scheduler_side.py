@@ -9,8 +9,9 @@ Per request it keeps one ``_ReqState``. The flow:
   attention depth, so resident pages are never offered). Spans shorter than
   ``min_span_tokens`` are not offered. With ``sync_loads`` (attention-only, one KV group)
   the load is synchronous: the request is scheduled in this step and the worker reads,
-  verifies and places the pages before the forward; a failure places nothing and is
-  reported as invalid blocks (vLLM recomputes them) and in the worker meta. Otherwise
+  verifies and places the pages before the forward; a failure is reported as invalid
+  blocks (vLLM recomputes every one of them, whatever a refused read left in them) and in
+  the worker meta. Otherwise
   loads are asynchronous, so a failure can be reported per request (``failed_recving``),
   which also works for hybrid models, at the price of one more engine step.
 - ``update_state_after_alloc``: a load plan (keys, first block, destination blocks).
@@ -18,7 +19,7 @@ Per request it keeps one ``_ReqState``. The flow:
   admission for attribution.
 - ``request_finished``: emits the attribution record; decides capture by access mode and
   minimum span; delays the free (a lease with the lease transform) until the workers
-  copied the pages into a capture slot (``finished_sending``), or until an in-flight load
+  copied the pages out (``finished_sending``), or until an in-flight load
   is reported (``finished_recving``).
 - Hybrid layouts (``kv_layout.LayoutKind.HYBRID``): an entry is pages plus a boundary object
   at its last block (the recurrent state, the sliding windows), which exists only for a

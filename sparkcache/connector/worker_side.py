@@ -8,17 +8,21 @@ block, whatever the physical stride order and however vLLM splits blocks into ke
 layout is refused like a corrupt one.
 
 Restores read the pages the scheduler's lookup found (``LoadPlan.stored``; no second
-lookup) and read and verify (the XXH3-128 each manifest records) every one of them before
-any byte is placed (read with system calls, so a failing disk or a file truncated under the reader is a refused restore,
-never a signal; ``ObjectStore.read_verified``); a failure of an asynchronous load reports the request
-in ``finished_recving`` and ``failed_recving``, of a synchronous one (``plan.sync``: placed
-before this step's forward) its destination blocks as invalid
+lookup), with system calls (so a failing disk or a file truncated under the reader is a
+refused restore, never a signal), and verify each against the XXH3-128 its manifest records.
+Where the KV cache is in host memory and each block's bytes are one run in page order (vLLM's
+CPU backend), a page is read straight into its destination blocks and verified there, so the
+read is the placement (``ObjectStore.read_verified_into``); elsewhere every page is read and
+verified into a buffer before any is placed. Every object is checked present before the
+first read. A refused restore (corrupt, absent, unreadable) reports all of its destination
+blocks: an asynchronous load's request in ``finished_recving`` and ``failed_recving``, a
+synchronous one's (``plan.sync``: placed before this step's forward) blocks as invalid
 (``get_block_ids_with_load_errors``) and the request in the worker meta (``sync_failed``);
-either way, with ``kv_load_failure_policy="recompute"``
-vLLM recomputes it, and nothing is written into the KV cache. Hybrid models
-(``kv_layout.LayoutKind.HYBRID``): a restore reads the pages and the recurrent state of the
-entry ending exactly at the load's depth, verifies all of them, then places the pages in
-the attention groups' blocks and the boundary object: the state in each recurrent group's
+with ``kv_load_failure_policy="recompute"`` vLLM recomputes every one of those blocks, so what
+a refused read left in them is never used, and no byte outside them is written. Hybrid
+models (``kv_layout.LayoutKind.HYBRID``): a restore reads the pages and the recurrent state
+of the entry ending exactly at the load's depth, verifies all of them, then places the
+boundary object (never before every page verified): the state in each recurrent group's
 block of the last column, each window group's window in the columns before the depth that
 the request does not hold from its local prefix cache; a capture copies both after the
 forward that wrote the state (``wait_for_save``).
@@ -97,6 +101,8 @@ class WorkerSide:
         self.after_forward: list[CapturePlan] = []  # hybrid capture plans, copied in wait_for_save
         self.views: dict[str, kv_copy.BlockView] = {}  # the stored layers, by manager block
         self.read_in_parallel = True  # see register_kv_caches
+        self._memory: dict[str, memoryview | None] = {}  # page layers' block memory (register_kv_caches)
+        self._into_blocks = False  # restores read pages straight into the blocks
         self.finished_sending: set[str] = set()
         self._released: set[str] = set()  # streamed captures copied (publisher thread, under the lock)
         self.finished_recving: set[str] = set()
@@ -124,6 +130,7 @@ class WorkerSide:
             # copies a streamed capture's first chunk as soon as its plan arrives (off the
             # model's CPUs, at its priority: vLLM holds the blocks until it is done)
             self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_off_model_cpus)
+            self._copier.submit(int)  # its thread starts now, not in the first capture's step
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
     def take_observations(self) -> dict[str, list[float]]:
@@ -162,6 +169,9 @@ class WorkerSide:
         # are read and hashed on this thread; on a pool they queue behind those threads
         # (docs/RESULTS.md, "Measurements behind the code").
         self.read_in_parallel = not any(v.device.type == "cpu" for v in self.views.values())
+        # Blocks in host memory, each a run in page order: restores read pages into them.
+        self._memory = {name: kv_copy.block_memory(self.views[name]) for _, name in self._page_layers()}
+        self._into_blocks = bool(self._memory) and None not in self._memory.values()
 
     @property
     def kv(self) -> dict[str, torch.Tensor]:
@@ -259,16 +269,20 @@ class WorkerSide:
                 logger.warning("sparkcache: restore of %s refused: vLLM allocated no block for a "
                                "column of its window", plan.req_id)
             return None
-        wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
         try:
-            pages = self.store.read_pages(wanted, parallel=self.read_in_parallel)
+            if self._into_blocks:
+                state = self.store.read_pages([stored.state], parallel=False)[0] if self.layout.has_state else None
+                placed = self._read_into_blocks(plan, stored, spans)
+            else:
+                wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
+                pages = self.store.read_pages(wanted, parallel=self.read_in_parallel)
+                state = pages.pop() if self.layout.has_state else None
+                placed = self._place_pages(plan, list(zip(pages, spans)))
         except ObjectError as exc:
-            logger.warning("sparkcache: restore of %s refused, nothing placed: %s", plan.req_id, exc)
+            logger.warning("sparkcache: restore of %s refused, its blocks recomputed: %s", plan.req_id, exc)
             self._add("lookup_miss_" + exc.reason)
             self._quarantine(exc, stored)
             return None
-        state = pages.pop() if self.layout.has_state else None
-        placed = self._place_pages(plan, list(zip(pages, spans)))
         if state is not None:
             kv_copy.place_parts(boundary, state)
         return placed, len(state) if state is not None else 0
@@ -298,6 +312,41 @@ class WorkerSide:
                 return None
             spans.append((page_first, nblk))
         return spans
+
+    def _read_into_blocks(self, plan: LoadPlan, stored: StoredPages, spans: list[tuple[int, int]]) -> int:
+        """Read each page straight into its destination blocks and verify it there (KV caches
+        in host memory whose blocks are runs in page order: ``kv_copy.block_memory``): the
+        read is the placement, no copy between. A block of a page that the restore does not
+        place (before ``start_block``) is read aside, to be verified with the rest. Returns
+        the bytes placed; an ``ObjectError`` leaves unverified bytes in blocks that ``load``
+        then reports to vLLM as not loaded."""
+        start, end = plan.start_block, len(plan.keys)
+        layers = [(g, self.views[name], self._memory[name]) for g, name in self._page_layers()]
+        for g, view, _ in layers:
+            ids = plan.block_ids[g]
+            if len(ids) != end - start or (ids and not 0 <= min(ids) <= max(ids) < view.num_blocks):
+                raise kv_copy.KVCopyError(f"sparkcache: the load plan names {len(ids)} block ids "
+                                          f"({min(ids, default=0)}..{max(ids, default=0)}) for blocks "
+                                          f"{start}..{end - 1} of layer {view.layer!r} "
+                                          f"({view.num_blocks} blocks)")
+
+        runs = [(view.block_bytes, view.blocks.stride(0), plan.block_ids[g], memory) for g, view, memory in layers]
+
+        def views_of(k: int) -> list[memoryview]:  # page k's bytes, layer after layer, block after block
+            first, nblk = spans[k]
+            views = []
+            for size, step, ids, memory in runs:
+                for b in range(first, first + nblk):
+                    if start <= b < end:
+                        at = ids[b - start] * step
+                        views.append(memory[at:at + size])
+                    else:  # a block this restore does not place: read aside, verified with the rest
+                        views.append(memoryview(bytearray(size)))
+            return views
+
+        self.store.read_pages_into(stored.pages, views_of)
+        per_block = sum(size for size, _, _, _ in runs)
+        return sum(max(0, min(end, first + nblk) - max(start, first)) for first, nblk in spans) * per_block
 
     def _place_pages(self, plan: LoadPlan, pages: list[tuple[kv_copy.PageBuffer, tuple[int, int]]]) -> int:
         """Copy verified pages (each with its ``(first block, blocks)``) into the plan's

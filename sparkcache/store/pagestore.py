@@ -348,6 +348,16 @@ class PageStore:
         unverified is returned."""
         return self.objects.read_many_verified(list(refs), parallel=parallel)
 
+    def read_pages_into(self, refs: Sequence[PageRef], views_of) -> None:
+        """Page objects read straight into buffers and verified there: ``views_of(i)`` gives
+        the writable buffers of ``refs[i]``, in order (``ObjectStore.read_verified_into``).
+        Every object is checked present first, so an entry evicted meanwhile writes nothing;
+        an ``ObjectError`` while reading leaves unverified bytes in the buffers, which the
+        caller must not use."""
+        self.objects.check_many_present(list(refs))
+        for i, ref in enumerate(refs):
+            self.objects.read_verified_into(ref, views_of(i))
+
     def discard_corrupt(self, digest: str, size: int) -> bool:
         """Remove a page object found corrupt, so that the next publication of its prefix writes
         it anew; False when it is no longer there or no longer corrupt."""

@@ -191,7 +191,7 @@ def _assert_refused_and_recomputed(result: dict, reference: dict) -> None:
     assert (rec["external_tokens"], rec["failed_restores"], rec["recomputed_tokens"]) == (0, 1, LENGTH)
     assert metric(result, "vllm:sparkcache_load_failures") == 1
     assert metric(result, "vllm:sparkcache_restored_tokens") == 0
-    assert "refused, nothing placed" in result["log"] and "corrupt" in result["log"]
+    assert "refused, its blocks recomputed" in result["log"] and "corrupt" in result["log"]
 
 
 def test_tp1_cold_run_publishes_and_matches_the_reference(tp1):

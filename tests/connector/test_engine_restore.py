@@ -121,7 +121,7 @@ def test_flipped_byte_is_refused_and_recomputed(runs):
     assert rec["recomputed_tokens"] == len(PROMPT) and rec["complete"]
     assert metric(res, "vllm:sparkcache_load_failures") == 1
     assert metric(res, "vllm:sparkcache_restored_tokens") == 0
-    assert "refused, nothing placed" in res["log"] and "corrupt" in res["log"]
+    assert "refused, its blocks recomputed" in res["log"] and "corrupt" in res["log"]
     assert metric(res, "vllm:sparkcache_quarantined_objects") == 1
     assert not runs["victim_after_corrupt"]  # removed, then written anew by the capture
 
@@ -182,5 +182,5 @@ def test_a_flipped_byte_in_a_32k_token_entry_is_refused_and_recomputed(long_runs
     rec = record(corrupt)
     assert (rec["external_tokens"], rec["failed_restores"], rec["recomputed_tokens"]) == (0, 1, len(LONG_PROMPT))
     assert corrupt["results"][0]["tokens"] == reference
-    assert "refused, nothing placed" in corrupt["log"] and "corrupt" in corrupt["log"]
+    assert "refused, its blocks recomputed" in corrupt["log"] and "corrupt" in corrupt["log"]
     assert metric(corrupt, "vllm:sparkcache_quarantined_objects") == 1
