@@ -28,12 +28,15 @@ Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
 
 - ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``):
   what the disk or page cache gives, no hashing, no placement;
-- ``verify``: the objects read and verified against their manifests' XXH3-128
-  (``ObjectStore.read_many_verified``, as the worker calls it), nothing placed;
-- ``place``: the verified pages copied into the destination blocks (the worker's placement
-  loop on pages already in memory);
-- ``load``: the worker's whole restore (``WorkerSide.load``: verify then place), checked
-  block by block (XXH3-128 of each restored block against the captured one's).
+- ``verify``: the objects read into buffers and verified against their manifests' XXH3-128
+  (``ObjectStore.read_many_verified``), nothing placed: the first half of a restore where the
+  blocks cannot be read into (a device, split kernel blocks);
+- ``place``: those verified pages copied into the destination blocks (``kv_copy.place``, the
+  second half of that restore);
+- ``load``: the worker's whole restore (``WorkerSide.load``; on these KV tensors, whose blocks
+  are runs in page order as vLLM's CPU backend lays them out, each page read straight into its
+  blocks and verified there), checked block by block (XXH3-128 of each restored block against
+  the captured one's).
 
 The restore's destination is the captured blocks themselves, zeroed first, in the order
 ``--dest-order`` gives (ascending, descending or shuffled: vLLM hands out both after churn),

@@ -1,7 +1,8 @@
 """A bounded number of capture slots, drained by one publisher thread.
 
-Each slot owns one host buffer of at most ``slot_bytes`` (made on its first use, kept for
-the process's life: captures never allocate on the serving path). The worker copies a
+Each slot owns one host buffer of ``slot_bytes``, kept for the process's life (the worker
+makes them all when vLLM registers its KV caches: captures never allocate on the serving
+path). The worker copies a
 capture's pages into its slot, now (a hybrid boundary, whose blocks vLLM may reuse after
 this step) or on the publisher thread a slot's worth at a time (a finished request, whose
 blocks vLLM holds until ``finished_sending``), and the publisher writes them to the store.
@@ -48,11 +49,13 @@ class _Ticket:
 
 
 class CaptureSlots(Generic[Job, Tag]):
-    """``publish(job, buffer)`` runs on the publisher thread with the ticket's slot buffer;
-    its result counts as published when its ``ok`` is true (a ``PublishResult``) or, having
-    none, when it is truthy. ``allocate(nbytes)`` makes a slot's buffer."""
+    """``publish(job, buffer_of)`` runs on the publisher thread; ``buffer_of()`` is the
+    ticket's slot buffer. Its result counts as published when its ``ok`` is true (a
+    ``PublishResult``) or, having none, when it is truthy. ``allocate(nbytes)`` makes a
+    slot's buffer."""
 
-    def __init__(self, n_slots: int, slot_bytes: int, publish: Callable[[Job, memoryview], object],
+    def __init__(self, n_slots: int, slot_bytes: int,
+                 publish: Callable[[Job, Callable[[], memoryview]], object],
                  allocate: Callable[[int], memoryview]) -> None:
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
@@ -85,6 +88,16 @@ class CaptureSlots(Generic[Job, Tag]):
             self._pending[self._seq] = _Ticket(self._free_slots.pop(), time.monotonic(), nbytes)
             self.stats.queued += 1
             return self._seq
+
+    def allocate_all(self) -> None:
+        """Make every slot's buffer now (else each is made on its first use)."""
+        for slot in range(self.n_slots):
+            with self._lock:
+                if slot in self._buffers:
+                    continue
+            made = self._allocate(self.slot_bytes)
+            with self._lock:
+                self._buffers.setdefault(slot, made)
 
     def buffer(self, ticket: int) -> memoryview:
         """The slot buffer of a ticket not yet released (``slot_bytes`` long)."""
@@ -119,7 +132,7 @@ class CaptureSlots(Generic[Job, Tag]):
                 return
             ticket, job = item
             try:
-                result = self._publish(job, self.buffer(ticket))
+                result = self._publish(job, lambda: self.buffer(ticket))
                 ok = bool(getattr(result, "ok", result))
             except Exception:  # a publication failure must never reach the serving path
                 logger.exception("sparkcache: publication failed")

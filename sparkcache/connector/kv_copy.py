@@ -87,7 +87,8 @@ def block_memory(view: BlockView) -> memoryview | None:
     its destination blocks (``WorkerSide``), no copy between. None otherwise (a device, or
     kernel blocks whose tokens are not adjacent)."""
     b = view.blocks
-    if b.device.type != "cpu" or b.shape[0] == 0 or not b[0].is_contiguous():
+    if (b.device.type != "cpu" or b.shape[0] == 0 or not b[0].is_contiguous()
+            or (b.shape[0] > 1 and b.stride(0) < view.block_bytes)):  # blocks that overlap: never
         return None
     span = (b.shape[0] - 1) * b.stride(0) + view.block_bytes
     return memoryview((ctypes.c_ubyte * span).from_address(b.data_ptr())).cast("B")

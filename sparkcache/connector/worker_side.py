@@ -12,9 +12,8 @@ lookup), with system calls (so a failing disk or a file truncated under the read
 refused restore, never a signal), and verify each against the XXH3-128 its manifest records.
 Where the KV cache is in host memory and each block's bytes are one run in page order (vLLM's
 CPU backend), a page is read straight into its destination blocks and verified there, so the
-read is the placement (``ObjectStore.read_verified_into``); elsewhere every page is read and
-verified into a buffer before any is placed. Every object is checked present before the
-first read. A refused restore (corrupt, absent, unreadable) reports all of its destination
+read is the placement (``ObjectStore.read_verified_into``), every page object checked present
+first; elsewhere every page is read and verified into a buffer before any is placed. A refused restore (corrupt, absent, unreadable) reports all of its destination
 blocks: an asynchronous load's request in ``finished_recving`` and ``failed_recving``, a
 synchronous one's (``plan.sync``: placed before this step's forward) blocks as invalid
 (``get_block_ids_with_load_errors``) and the request in the worker meta (``sync_failed``);
@@ -39,9 +38,9 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from sparkcache.metrics import store_gauges
 from sparkcache.store import cpus
@@ -70,9 +69,10 @@ logger = logging.getLogger("sparkcache.connector")
 
 @dataclass
 class _PublishJob:
-    """One capture's publication. A streamed job's pages are copied on the publisher thread,
-    ``chunk_blocks`` blocks at a time, from the blocks vLLM holds for it until
-    ``finished_sending``; another's were copied into its slot before it was queued."""
+    """One capture's publication. A streamed job's pages are copied ``chunk_blocks`` blocks at
+    a time (the first chunk by the copier thread when the plan arrives, the rest by the
+    publisher) from the blocks vLLM holds for it until ``finished_sending``; another's were
+    copied into its slot before it was queued."""
 
     req_id: str
     keys: list[str]
@@ -127,9 +127,9 @@ class WorkerSide:
                         "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
                                       self._publish, self._host_buffer)
-            # copies a streamed capture's first chunk as soon as its plan arrives (off the
-            # model's CPUs, at its priority: vLLM holds the blocks until it is done)
-            self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_off_model_cpus)
+            # copies a streamed capture's first chunk as soon as its plan arrives, off the
+            # model's CPUs and at the publisher's priority (those cores run vLLM's engine core)
+            self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_as_publisher)
             self._copier.submit(int)  # its thread starts now, not in the first capture's step
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
 
@@ -169,6 +169,8 @@ class WorkerSide:
         # are read and hashed on this thread; on a pool they queue behind those threads
         # (docs/RESULTS.md, "Measurements behind the code").
         self.read_in_parallel = not any(v.device.type == "cpu" for v in self.views.values())
+        if self.slots is not None and self._usable():
+            self.slots.allocate_all()  # now, not in a capture's step (pinned on CUDA: seconds)
         # Blocks in host memory, each a run in page order: restores read pages into them.
         self._memory = {name: kv_copy.block_memory(self.views[name]) for _, name in self._page_layers()}
         self._into_blocks = bool(self._memory) and None not in self._memory.values()
@@ -256,7 +258,8 @@ class WorkerSide:
 
     def _load(self, plan: LoadPlan) -> tuple[int, int] | None:
         """Read, verify and place; returns the (page, state) bytes placed, or None when the
-        restore is refused (then nothing was placed)."""
+        restore is refused (``load`` then reports every destination block to vLLM; a state is
+        only placed once every page is verified)."""
         if not self._usable():
             return None
         stored = self._stored_pages(plan)
@@ -397,7 +400,8 @@ class WorkerSide:
 
     def capture(self, plan: CapturePlan) -> None:
         """A capture plan of this step. A finished request's (no boundary object) streams:
-        the publisher thread copies its pages a slot's worth at a time and reports the
+        its pages are copied a slot's worth at a time (the first at once by the copier thread,
+        the rest by the publisher as the store writes the ones before) and it reports the
         request in ``finished_sending`` once the last is copied (vLLM holds its blocks until
         then). A hybrid plan (one with a boundary object) waits for this step's forward, which
         writes its state, and is copied whole right after it (``capture_after_forward``):
@@ -535,14 +539,20 @@ class WorkerSide:
             parts.append([(self.views[name], ids) for name in self._layers(g)])
         return parts
 
-    def _publish(self, job: _PublishJob, buffer: memoryview) -> PublishResult:
+    def _publish(self, job: _PublishJob, buffer_of: Callable[[], memoryview]) -> PublishResult:
         try:
-            pages = self._stream(job, buffer) if job.pages is None else [None] * job.reuse_pages + job.pages
+            pages = (self._stream(job, buffer_of()) if job.pages is None
+                     else [None] * job.reuse_pages + job.pages)
             result = self.store.publish(self.identity, job.keys, pages, blocks_per_page=self.bpp,
                                         state=job.state)
         finally:
             if job.pages is None:
-                self._release_blocks(job)  # a refusal before or during the copy: vLLM frees them
+                # A publication refused before it read its pages: the copier may still be
+                # writing the first chunk into this slot; the slot and the blocks are given
+                # back only once it is done (or never started).
+                if not job.first.cancel():
+                    wait([job.first])
+                self._release_blocks(job)  # refused before or during the copy: vLLM frees them
         self.samples.add("publication_seconds", result.duration_s)
         if result.ok:
             self.samples.add("publication_bytes", result.bytes_written)

@@ -278,7 +278,7 @@ def _each_in_parallel(fn, refs: list, *, parallel: bool = True) -> list:
     return results
 
 
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024  # -1: no limit said
 _READ_BATCH = 512 << 10  # bytes one preadv reads at most: hashed next, while still in the core's cache
 
 

@@ -351,9 +351,9 @@ class PageStore:
     def read_pages_into(self, refs: Sequence[PageRef], views_of) -> None:
         """Page objects read straight into buffers and verified there: ``views_of(i)`` gives
         the writable buffers of ``refs[i]``, in order (``ObjectStore.read_verified_into``).
-        Every object is checked present first, so an entry evicted meanwhile writes nothing;
-        an ``ObjectError`` while reading leaves unverified bytes in the buffers, which the
-        caller must not use."""
+        Every object is checked present first, so an entry evicted before the restore writes
+        nothing; an ``ObjectError`` while reading (one evicted during it included) leaves
+        unverified bytes in the buffers, which the caller must not use."""
         self.objects.check_many_present(list(refs))
         for i, ref in enumerate(refs):
             self.objects.read_verified_into(ref, views_of(i))

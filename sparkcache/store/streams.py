@@ -10,6 +10,7 @@ chunk; a chunk's buffers are only read until the next chunk is asked for.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -43,7 +44,7 @@ class PageStream:
         """This stream and one more page after it (an entry's state object)."""
         view = byte_view(last, "state")
         chunks = self.chunks
-        return PageStream((*self.sizes, len(view)), lambda: (*chunks(), [view]))
+        return PageStream((*self.sizes, len(view)), lambda: itertools.chain(chunks(), [[view]]))
 
     @property
     def given_bytes(self) -> int:

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparkcache.connector import kv_copy
 
-from .vllm_kv_caches import NUM_BLOCKS, VllmKV, apart_from, vllm_kv_caches
+from testing.vllm_kv_caches import NUM_BLOCKS, VllmKV, apart_from, vllm_kv_caches
 
 SPLITS = [("LBHNC", 1, 2), ("LBNHC", 1, 2), ("LHBNC", 1, 2), ("BLHNC", 1, 2), ("BLNHC", 1, 2),
           ("BHLNC", 1, 2), ("LBHNC", 4, 2), ("LBNHC", 4, 2), ("BLHNC", 4, 1), ("BLNHC", 4, 1)]

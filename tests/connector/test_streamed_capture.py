@@ -28,7 +28,7 @@ from sparkcache.settings import load_settings
 from sparkcache.store import Identity
 from sparkcache.store.locks import exclusive_lock
 
-from .vllm_kv_caches import BLOCK, NUM_BLOCKS, VllmKV, vllm_kv_caches
+from testing.vllm_kv_caches import BLOCK, NUM_BLOCKS, VllmKV, vllm_kv_caches
 
 PAGE_BLOCKS = 2
 LAYERS = 2

@@ -25,19 +25,14 @@ from sparkcache.connector.worker_side import WorkerSide
 from sparkcache.settings import load_settings
 from sparkcache.store import Identity
 
-from .vllm_kv_caches import BLOCK, NUM_BLOCKS, VllmKV, apart_from, block_mask, vllm_kv_caches
+from testing.vllm_kv_caches import CASES as KV_CASES
+from testing.vllm_kv_caches import (BLOCK, NEVER_SPLIT, NUM_BLOCKS, VllmKV, apart_from, block_mask,
+                                     vllm_kv_caches)
 
 CAPTURED = 20   # pages of 8 blocks: 8, 8, 4
 START = 3       # the restore's first 3 blocks are local hits: placed from block 3 on
 PAGE_BLOCKS = 8
-# Layers per group with which vLLM 0.32.0 splits blocks into kernel blocks in each layout:
-# a block-outermost layout only when a block holds one layer's page (the runner's
-# prepare_kernel_block_sizes keeps packed blocks whole, create_kv_cache_views refuses them).
-SPLIT_LAYERS = {"LBHNC": 2, "LBNHC": 2, "BLHNC": 1, "BLNHC": 1}
-NEVER_SPLIT = ("LHBNC", "BHLNC")  # blocks are not dense pages: vLLM never splits them
-LAYOUTS = (*SPLIT_LAYERS, *NEVER_SPLIT)
-CASES = [pytest.param(name, 1, 2, id=f"{name}-ratio1") for name in LAYOUTS] + [
-    pytest.param(name, 4, n, id=f"{name}-ratio4") for name, n in SPLIT_LAYERS.items()]
+CASES = [pytest.param(name, ratio, layers, id=f"{name}-ratio{ratio}") for name, ratio, layers in KV_CASES]
 
 
 def _worker(kv: VllmKV, root, mode: str) -> WorkerSide:

@@ -106,3 +106,14 @@ def test_a_producer_that_fails_or_lies_refuses_the_publication_and_leaves_no_ent
     assert left == [], f"temp files left behind: {left}"
     assert store.publish(IDENT, conv_keys(2, 80), pages).ok  # the next capture publishes it
     assert not store.verify_root(str(tmp_path / "s")).problems
+
+
+def test_a_state_after_a_stream_through_one_buffer_leaves_every_page_its_bytes(tmp_path):
+    """The state follows the last chunk: the chunks before are still read one at a time, so
+    each page is written before the buffer holds the next."""
+    store = open_store(str(tmp_path / "s"), page_blocks=BPP)
+    pages = [page_bytes(3, p, BPP, 64) for p in range(4)]
+    assert store.publish(IDENT, conv_keys(3, 8), _through_one_buffer(pages, [1, 2, 3]), state=b"state").ok
+    found = store.lookup(IDENT, conv_keys(3, 8), with_state=True)
+    assert [bytes(p) for p in store.read(found.handle).pages] == pages
+    assert bytes(store.read_pages([found.handle.state])[0]) == b"state"

@@ -25,6 +25,16 @@ STATE_SHAPES = ((3, 40), (2, 4, 16))
 STATE_DTYPES = (torch.float16, torch.float32)
 
 
+# Layers per group with which vLLM 0.32.0 splits blocks into kernel blocks in each layout:
+# a block-outermost layout only when a block holds one layer's page (the runner's
+# prepare_kernel_block_sizes keeps packed blocks whole, create_kv_cache_views refuses them).
+SPLIT_LAYERS = {"LBHNC": 2, "LBNHC": 2, "BLHNC": 1, "BLNHC": 1}
+NEVER_SPLIT = ("LHBNC", "BHLNC")  # blocks are not dense pages: vLLM never splits them
+# (layout, kernel blocks per block, attention layers): every layout and split vLLM hands a connector
+CASES = tuple([(name, 1, 2) for name in (*SPLIT_LAYERS, *NEVER_SPLIT)]
+              + [(name, 4, n) for name, n in SPLIT_LAYERS.items()])
+
+
 @dataclass(frozen=True)
 class VllmKV:
     config: object          # vLLM's KVCacheConfig, as the worker gets it
@@ -102,3 +112,37 @@ def apart_from(kv: VllmKV, taken: dict[str, list[int]], layers: tuple[str, ...])
     busy = block_mask(kv, taken)
     return {b for b in range(kv.config.num_blocks)
             if not (block_mask(kv, {n: [b] for n in layers}) & busy).any()}
+
+
+def describe(kv: VllmKV) -> dict:
+    """What ``bench/gpu_copy.py`` rebuilds these views from on a machine without vLLM: the
+    backing allocation's size and, per layer, the view vLLM made over it (dtype, shape,
+    strides and storage offset, in elements of the dtype), with ``torch.as_strided``."""
+    def view(t: torch.Tensor) -> dict:
+        return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": list(t.stride()),
+                "offset": t.storage_offset()}
+    return {"num_blocks": kv.config.num_blocks, "raw_bytes": kv.raw.numel(),
+            "page_layers": {n: view(kv.caches[n]) for n in kv.page_layers},
+            "state_layers": {n: view(kv.caches[n]) for n in kv.state_layers}}
+
+
+def describe_all() -> list[dict]:
+    """Every case of ``CASES``, attention-only and hybrid, as ``describe`` gives it."""
+    return [{"layout": name, "ratio": ratio, "hybrid": hybrid,
+             **describe(vllm_kv_caches(name, ratio, hybrid=hybrid, layers=layers))}
+            for name, ratio, layers in CASES for hybrid in (False, True)]
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m testing.vllm_kv_caches",
+                                description="Write the KV cache views vLLM 0.32.0 hands a connector, for "
+                                            "every layout and kernel-block split, as JSON (bench/gpu_copy.py "
+                                            "--views reads it on a machine without vLLM).")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    with open(args.out, "w") as f:
+        json.dump(describe_all(), f, indent=1)
+    print(f"wrote {args.out}")
