@@ -16,7 +16,7 @@ each is rebuilt here with ``torch.as_strided`` over an allocation on ``--device`
   bytes (``kv_copy.place``, ``place_parts`` for the state), and every manager block compared
   byte for byte (regrouped as vLLM's ``group_kernel_blocks`` does), and no byte outside them
   changed.
-- **B, stall** (CUDA only): with ~0.3 s of ``torch.cuda._sleep`` queued on the compute stream,
+- **B, stall** (CUDA only): with ``STALL_SECONDS`` of ``torch.cuda._sleep`` queued on the compute stream,
   how long the model thread is held by a capture (recording its marker and handing the copy to
   another thread, as ``WorkerSide.capture`` does) and by a restore (``kv_copy.place`` of one
   page): the target is under 1 ms each.
@@ -45,6 +45,8 @@ from sparkcache.connector import kv_copy
 
 CAPTURED = 20
 PAGE_BLOCKS = 8
+STALL_SECONDS = 0.3  # the compute stream's queued work in B: far longer than the calls' target
+CALIBRATION_CYCLES = 10**7
 
 
 def _rebuild(desc: dict, device: torch.device, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -174,12 +176,19 @@ def _place_all(views: dict, host: memoryview, ids: list[int], page_blocks: int =
 
 
 def stall(device: torch.device) -> dict:
-    """The model thread's time in a capture and a restore call with ~0.3 s queued ahead."""
+    """The model thread's time in a capture and a restore call with ``STALL_SECONDS`` of work
+    queued ahead of them on the compute stream."""
     caches, blocks = _kv_70b(1024, device)
     views = [(kv_copy.block_view(n, t, blocks + 1), list(range(blocks))) for n, t in caches.items()]
     page = bytes(blocks * sum(v.block_bytes for v, _ in views))
     torch.cuda.synchronize(device)
-    torch.cuda._sleep(int(0.3 * 1.5e9))  # ~0.3 s on a GPU of ~1.5 GHz: queued, not waited for
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(CALIBRATION_CYCLES)  # how many of _sleep's cycles make a second here
+    end.record()
+    end.synchronize()
+    cycles_per_s = CALIBRATION_CYCLES / (start.elapsed_time(end) / 1000)
+    torch.cuda._sleep(int(STALL_SECONDS * cycles_per_s))  # queued, not waited for
     t = time.perf_counter()
     marker = kv_copy.copy_marker(views)
     copier = threading.Thread(target=kv_copy.gather, args=(views, 16, None, marker))
