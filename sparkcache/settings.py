@@ -254,8 +254,8 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
     SettingRow("MIN_SPAN_TOKENS", "int", 256, "Do not publish or restore spans shorter than "
                "this many tokens.", minimum=0, maximum=1 << 24),
     SettingRow("SYNC_LOADS", "bool", True, "Restore in the step that schedules the request "
-               "(read and verified before any byte is placed; a failure is reported as invalid "
-               "blocks, which vLLM recomputes) instead of asynchronously, which costs one more "
+               "(read, verified and placed before this step's forward; a failure reports every "
+               "block of the load as invalid, which vLLM recomputes) instead of asynchronously, which costs one more "
                "engine step. Only attention-only single-group models; others load asynchronously."),
     SettingRow("PAGE_BLOCKS", "int", 16, "KV blocks per page object; a growing entry rewrites "
                "only its tail page.", minimum=1, maximum=4096),
