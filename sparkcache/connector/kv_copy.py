@@ -135,10 +135,15 @@ def block_view(layer: str, tensor: torch.Tensor, num_blocks: int) -> BlockView:
     return BlockView(layer, u, ratio, _widest(u))
 
 
-def _index(ids: Sequence[int], view: BlockView) -> torch.Tensor:
+def check_ids(ids: Sequence[int], view: BlockView) -> None:
+    """KVCopyError unless every id is one of ``view``'s blocks."""
     if ids and not (0 <= min(ids) and max(ids) < view.num_blocks):
         raise KVCopyError(f"sparkcache: block ids {min(ids)}..{max(ids)} outside layer "
                           f"{view.layer!r}'s {view.num_blocks} blocks")
+
+
+def _index(ids: Sequence[int], view: BlockView) -> torch.Tensor:
+    check_ids(ids, view)
     return torch.tensor(list(ids), dtype=torch.long, device=view.device)
 
 

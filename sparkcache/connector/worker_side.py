@@ -327,11 +327,10 @@ class WorkerSide:
         layers = [(g, self.views[name], self._memory[name]) for g, name in self._page_layers()]
         for g, view, _ in layers:
             ids = plan.block_ids[g]
-            if len(ids) != end - start or (ids and not 0 <= min(ids) <= max(ids) < view.num_blocks):
+            if len(ids) != end - start:
                 raise kv_copy.KVCopyError(f"sparkcache: the load plan names {len(ids)} block ids "
-                                          f"({min(ids, default=0)}..{max(ids, default=0)}) for blocks "
-                                          f"{start}..{end - 1} of layer {view.layer!r} "
-                                          f"({view.num_blocks} blocks)")
+                                          f"for blocks {start}..{end - 1} of layer {view.layer!r}")
+            kv_copy.check_ids(ids, view)
 
         runs = [(view.block_bytes, view.blocks.stride(0), plan.block_ids[g], memory) for g, view, memory in layers]
 
@@ -452,7 +451,7 @@ class WorkerSide:
                 job.marker = kv_copy.copy_marker(layers)
                 # copied at once (its blocks released when it is the last), not behind the
                 # writing of the captures queued before it
-                job.first = self._copier.submit(self._copy_chunk, job, 0, self.slots.buffer, ticket)
+                job.first = self._copier.submit(lambda: self._copy_chunk(job, 0, self.slots.buffer(ticket)))
             else:
                 buffer = self.slots.buffer(ticket)
                 job.pages = (self._gather_pages(layers, buffer) if layers else  # windows only: no pages
@@ -479,26 +478,30 @@ class WorkerSide:
         copied by the copier thread when the plan arrived, each next one into the same buffer
         once the store wrote the one before."""
         n_new = len(job.layers[0][1])
-        per_page = kv_copy.page_bytes(job.layers, 1) * self.bpp
-        sizes = [None] * job.reuse_pages + [per_page * min(self.bpp, n_new - k) // self.bpp
-                                            for k in range(0, n_new, self.bpp)]
+        per_block = kv_copy.page_bytes(job.layers, 1)
+        sizes = [None] * job.reuse_pages + [per_block * min(self.bpp, n_new - k) for k in range(0, n_new, self.bpp)]
 
         def chunks() -> Iterator[list[memoryview]]:
-            yield job.first.result()  # raises what the copy raised
+            try:
+                first = job.first.result()  # raises what the copy raised
+            except PageSourceError:
+                raise
+            except Exception as exc:  # its slot buffer could not be had
+                raise PageSourceError(f"the copy of {job.req_id}'s blocks failed: {exc!r}") from exc
+            yield first
             for lo in range(job.chunk_blocks, n_new, job.chunk_blocks):
-                yield self._copy_chunk(job, lo, lambda _: buffer, None)
+                yield self._copy_chunk(job, lo, buffer)
 
         return PageStream(tuple(sizes), chunks)
 
-    def _copy_chunk(self, job: _PublishJob, lo: int, buffer_of, ticket: int | None) -> list[memoryview]:
-        """Copy blocks ``lo ..`` (a chunk) of a streamed job into its slot's buffer
-        (``buffer_of(ticket)``); the blocks are released to vLLM once the last chunk is copied."""
+    def _copy_chunk(self, job: _PublishJob, lo: int, buffer: memoryview) -> list[memoryview]:
+        """Copy blocks ``lo ..`` (a chunk) of a streamed job into its slot's ``buffer``; the
+        blocks are released to vLLM once the last chunk is copied."""
         n_new = len(job.layers[0][1])
         hi = min(n_new, lo + job.chunk_blocks)
         part = {id(ids): ids[lo:hi] for _, ids in job.layers}  # one index per group
         try:
-            pages = self._gather_pages([(v, part[id(ids)]) for v, ids in job.layers], buffer_of(ticket),
-                                       job.marker)
+            pages = self._gather_pages([(v, part[id(ids)]) for v, ids in job.layers], buffer, job.marker)
         except Exception as exc:
             raise PageSourceError(f"the copy of {job.req_id}'s blocks failed: {exc!r}") from exc
         self._check_lease(job)

@@ -102,8 +102,7 @@ class ObjectStore:
             close_quietly(fd)
         if ref.checksum is None and hasher.hexdigest() != ref.digest:
             raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match their BLAKE3 name")
-        if ref.checksum is not None and hasher.hexdigest() != ref.checksum:
-            raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match the XXH3-128 their manifest records")
+        _check_checksum(ref, hasher.hexdigest())
 
     def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:
         """``read_verified`` without keeping the bytes: hashed (BLAKE3, against the name) a
@@ -132,9 +131,7 @@ class ObjectStore:
     def check_ref(self, ref: PageRef) -> None:
         """``check_verified`` of the object ``ref`` names, and its bytes against the XXH3-128
         ``ref`` records (when it records one): what a restore of it would find."""
-        actual = self.check_verified(ref.digest, ref.size)
-        if ref.checksum is not None and actual != ref.checksum:
-            raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match the XXH3-128 their manifest records")
+        _check_checksum(ref, self.check_verified(ref.digest, ref.size))
 
     def _open_checked(self, digest: str, size: int, shard_fd: int | None = None) -> int:
         """An fd of the object, opened without following links, with its size checked."""
@@ -312,6 +309,12 @@ def _read_exactly_into(fd: int, digest: str, size: int, views: Sequence[memoryvi
             else:
                 hash_update(head[:n])
                 todo[0], n = head[n:], 0
+
+
+def _check_checksum(ref: PageRef, actual: str) -> None:
+    """``corrupt`` when ``ref`` records an XXH3-128 and ``actual`` is another."""
+    if ref.checksum is not None and actual != ref.checksum:
+        raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match the XXH3-128 their manifest records")
 
 
 def _check_stat(digest: str, st: os.stat_result, size: int) -> None:
