@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -183,8 +184,13 @@ def run_arm(arm: str, cfg: dict, workdir: Path) -> dict:
     tree = TREE if transformed else None
     cfg_path, out_path = workdir / f"{arm}.config.json", workdir / f"{arm}.result.json"
     cfg_path.write_text(json.dumps({**cfg, "arm": arm, "store_dir": str(workdir)}))
+    env = tree_env(tree)
+    if cfg["image_every"]:  # a multimodal model config: its processor imports torchvision
+        from testing.torchvision_shim import site_dir
+
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site_dir()), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "bench.replay_a_sim", str(cfg_path), str(out_path)],
-                          env=tree_env(tree), cwd=REPO, capture_output=True, text=True, timeout=1800)
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 or not out_path.exists():
         raise RuntimeError(f"arm {arm} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads(out_path.read_text())
@@ -207,6 +213,7 @@ def summarize(result: dict) -> dict:
     rescued = [r for r in rows if r["rescued"]]
     cold = [r for r in rows if r["local_tokens"] + r["external_tokens"] == 0]
     cont_prompt = sum(r["prompt_tokens"] for r in cont)
+    after_image = [r for r in cont if r["images"]]  # the prompt carries an image (real mm_features)
     return {
         "turns": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
@@ -221,6 +228,11 @@ def summarize(result: dict) -> dict:
         "recomputed_tokens": sum(r["recomputed_tokens"] for r in rows),
         "avoidable_external_tokens": sum(r["avoidable_external_tokens"] for r in rows),
         "rescued_turns": len(rescued),
+        "continuation_turns_after_image": len(after_image),
+        "continuation_turns_after_image_local_ge_50pct": sum(
+            r["local_tokens"] >= 0.5 * r["prompt_tokens"] for r in after_image),
+        "rescued_turns_after_image": sum(r["rescued"] for r in after_image),
+        "external_tokens_after_image": sum(r["external_tokens"] for r in after_image),
         "state_reload_turns": sum(r["state_reload"] for r in rows),
         "failed_restore_reads": sum(not r["restore_read_ok"] for r in rows),
         "median_latency_s": {
@@ -265,6 +277,9 @@ def table(summary: dict) -> str:
     row("avoidable external tokens", lambda s: str(s["avoidable_external_tokens"]))
     row("rescued turns (median; if recomputed)", lambda s: f"{s['rescued_turns']} ({med(s, 'rescued')}; "
         f"{med(s, 'rescued_if_recomputed')})")
+    row("continuation turns after an image (>= 50% local; rescued)", lambda s: (
+        f"{s['continuation_turns_after_image']} ({s['continuation_turns_after_image_local_ge_50pct']}; "
+        f"{s['rescued_turns_after_image']})"))
     row("peak KV usage", lambda s: f"{100 * s['peak_kv_usage']:.0f}%")
     row("cached blocks evicted by pressure", lambda s: str(s["evicted_cached_blocks"]))
     row("running requests preempted", lambda s: str(s["preemptions"]))
@@ -345,7 +360,7 @@ def plot(rows: list[dict], arms: list[str], path: Path, agent: int = 0) -> None:
 
 
 CSV_FIELDS = ["arm", "agent", "conversation", "turn", "prompt_tokens", "local_tokens", "external_tokens",
-              "recomputed_tokens", "latency_s", "continuation", "avoidable_external_tokens", "rescued",
+              "recomputed_tokens", "latency_s", "continuation", "avoidable_external_tokens", "rescued", "images",
               "state_reload", "resident_attention_tokens", "recompute_latency_s", "sim_latency_s", "arrival_s"]
 
 
@@ -368,6 +383,10 @@ def run_arms(cfg: dict, arms: list[str], out: Path, jobs: int = 2) -> dict:
 
     if any(arm_spec(a, cfg["lease_seconds"])[2] for a in arms):
         transformed_tree()
+    if cfg["image_every"]:  # built once here, not by the arms at once
+        from testing.tinyvlm import make_tiny_vlm
+
+        make_tiny_vlm()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="replay-a-", dir=out) as work:
         with ThreadPoolExecutor(max(1, jobs)) as pool:

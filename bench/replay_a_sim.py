@@ -66,7 +66,8 @@ def make_scheduler(cfg: dict, extra: dict, store_root: Path):
     scheduler = make_vllm_scheduler(connector_config(cfg, extra, store_root), num_blocks=num_blocks,
                                     block_size=bs, max_model_len=cfg["max_model_len"],
                                     max_num_batched_tokens=cfg["max_num_batched_tokens"],
-                                    kv_cache_config=groups)  # hybrid, retention 0
+                                    kv_cache_config=groups,  # hybrid, retention 0
+                                    model=multimodal_model() if cfg["image_every"] else None)
     leases = getattr(scheduler, "sparkcache_leases", None)  # None: untransformed, or no lease key
     if leases is not None:
         leases.now = lambda: rc.CONTEXT.now  # leases run on the simulated clock
@@ -91,6 +92,15 @@ def make_scheduler(cfg: dict, extra: dict, store_root: Path):
     return scheduler
 
 
+def multimodal_model() -> str:
+    """A multimodal model config (the tiny Qwen2-VL), so the scheduler has an encoder budget and
+    schedules each image's encoder input as for the field's model (this process imports
+    torchvision through ``testing.torchvision_shim.site_dir``: ``bench.replay_a.run_arm``)."""
+    from testing.tinyvlm import make_tiny_vlm
+
+    return make_tiny_vlm()
+
+
 def connector_config(cfg: dict, extra: dict, store_root: Path) -> dict:
     if cfg.get("connector") == "sparkcache":
         return replay_a_worker.connector_config(rc.CONTEXT, extra, store_root / "sparkcache")
@@ -100,7 +110,9 @@ def connector_config(cfg: dict, extra: dict, store_root: Path) -> dict:
 
 class Agent:
     """One agent's conversation: each turn's prompt is the previous prompt + reply + tool result
-    (+ image placeholder tokens every ``image_every``-th turn); reasoning is never repeated."""
+    (+ an image every ``image_every``-th turn: ``image_tokens`` placeholder tokens and its
+    ``mm_features`` entry, an identifier of its own and its offset, as vLLM's processor makes
+    them); reasoning is never repeated."""
 
     def __init__(self, idx: int, cfg: dict) -> None:
         self.idx, self.cfg = idx, cfg
@@ -126,6 +138,7 @@ class Agent:
         self.turn_in_conv = 0
         self.history = self.fresh(self.rng.randint(lo, hi))
         self.start_len = len(self.history)
+        self.images: list[tuple[str, int, int]] = []  # (identifier, offset, length) in the history
 
     def make_request(self):
         from testing.vllm_scheduler import make_request
@@ -137,7 +150,8 @@ class Agent:
         self.plan = reasoning + reply if cfg.get("reasoning_first") else reply + reasoning
         self.reply = reply
         rid = f"a{self.idx}-t{self.turn}"
-        self.request = make_request(rid, self.history, len(self.plan), block_size=cfg["block_size"])
+        self.request = make_request(rid, self.history, len(self.plan), block_size=cfg["block_size"],
+                                    mm_features=image_features(self.images) or None)
         return self.request
 
     def finish_turn(self, now: float) -> None:
@@ -148,12 +162,24 @@ class Agent:
         self.turn_in_conv += 1
         self.history = self.history + reply + tool
         if cfg["image_every"] and self.turn % cfg["image_every"] == 0:
-            self.history += [3] * cfg["image_tokens"]  # an image's placeholder tokens
+            n = cfg["image_tokens"]
+            self.images.append((f"agent{self.idx}-image{self.turn}", len(self.history), n))
+            self.history += [3] * n  # its placeholder tokens
         if len(self.history) - self.start_len >= cfg["new_conversation_after"]:
             self.new_conversation()
         self.request = None
         lo, hi = cfg["turn_gap"]
         self.next_arrival = now + self.rng.uniform(lo, hi)
+
+
+def image_features(images: list[tuple[str, int, int]]) -> list:
+    """vLLM's ``MultiModalFeatureSpec`` of each (identifier, offset, length): what the scheduler
+    and the connector see of an image (its pixels only reach the encoder, which is synthetic here)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                  mm_position=PlaceholderRange(offset=offset, length=length))
+            for ident, offset, length in images]
 
 
 def run(cfg: dict) -> dict:
@@ -328,6 +354,7 @@ def turn_row(cfg, arm, agent, rid, adm, ctx, prefill_s, decode_step_s) -> dict:
     return {
         "arm": arm, "agent": agent.idx, "conversation": agent.conv, "turn": agent.turn,
         "turn_in_conversation": agent.turn_in_conv, "continuation": agent.turn_in_conv > 0,
+        "images": len(agent.images),
         "arrival_s": round(agent.arrived, 3), "admitted_s": round(adm["at"], 3),
         "prompt_tokens": prompt, "local_tokens": local, "external_tokens": ext, "recomputed_tokens": recomputed,
         "resident_attention_tokens": attn, "avoidable_external_tokens": avoidable, "rescued": rescued,

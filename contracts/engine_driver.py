@@ -8,8 +8,12 @@ image, through ``run_in_fresh_process``, which gives each life a private ``/dev/
         "extra": {...}, "prompts": [[ids...]], "max_tokens": 16, "block_size": 32}'   (or @FILE holding that JSON)
 
 A prompt is a list of token ids, or ``{"ids": [...], "cache_salt": "s", "lora": {"name": "a",
-"id": 1, "path": DIR}}`` (both keys optional): the salt goes into ``TokensPrompt(cache_salt=)``,
-the adapter into ``llm.generate(lora_request=LoRARequest(name, id, path))``. LoRA must be
+"id": 1, "path": DIR}, "images": [PNG, ...], "embeds": FILE}`` (keys but ``ids`` optional): the salt goes into ``TokensPrompt(cache_salt=)``,
+the adapter into ``llm.generate(lora_request=LoRARequest(name, id, path))``, the images (one per
+image placeholder in ``ids``, which vLLM's processor expands; with ``"chain"`` a conversation's
+images so far come along) into ``multi_modal_data``; ``embeds``, a ``torch.save``d [tokens,
+hidden] tensor, is sent as an ``EmbedsPrompt`` instead of ``ids`` (the life needs
+``"prompt_embeds": true``, vLLM's ``enable_prompt_embeds``). LoRA must be
 enabled for the engine life with ``"lora": {"max_lora_rank": 8, "max_loras": 2}`` (both
 optional, defaults shown), e.g. with an adapter from ``testing.tinymodel.make_tiny_lora``;
 with it on, a prompt without an adapter runs on the base model. ``"load_failure_policy"``
@@ -91,6 +95,8 @@ def run(cfg: dict) -> dict:
         engine_kwargs["attention_backend"] = cfg["attention_backend"]
     if cfg.get("disable_hybrid_kv_cache_manager"):  # sliding-window models: every block kept
         engine_kwargs["disable_hybrid_kv_cache_manager"] = True
+    if cfg.get("prompt_embeds"):
+        engine_kwargs["enable_prompt_embeds"] = True
     llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enable_prefix_caching=True,
               max_model_len=cfg.get("max_model_len", 4096), block_size=cfg.get("block_size", 32),
               kv_transfer_config=kvt, disable_log_stats=False, seed=0,
@@ -124,18 +130,21 @@ def run(cfg: dict) -> dict:
 
 def _generate(llm, cfg: dict, prompts: list, params) -> dict:
     """Each prompt through ``llm.generate`` in turn (see the module doc): ``{"results": [...]}``."""
-    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
     results = []
     history: list[int] = []
+    images: list[str] = []  # of the conversation so far (``chain``), else of this prompt
     for item in prompts:
         item = item if isinstance(item, dict) else {"ids": item}
         ids = item["ids"]
         if cfg.get("chain") and results:  # a conversation: the last prompt and its answer first
             ids = history + ids
+        else:
+            images = []
         history = list(ids)
-        prompt = TokensPrompt(prompt_token_ids=ids)
+        images += item.get("images", [])
+        prompt = _prompt(ids, images, item.get("embeds"))
         if item.get("cache_salt") is not None:
             prompt["cache_salt"] = item["cache_salt"]
         adapter = item.get("lora")
@@ -148,13 +157,32 @@ def _generate(llm, cfg: dict, prompts: list, params) -> dict:
         results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
                         "logprobs": logprobs,
                         "kv_transfer_params": out.kv_transfer_params,
-                        "generate_s": time.monotonic() - t, "prompt_tokens": len(ids), "prompt": ids})
+                        "generate_s": time.monotonic() - t, "prompt": ids,
+                        "prompt_tokens": len(out.prompt_token_ids or ()) or len(ids)})
         history += results[-1]["tokens"]
         if cfg.get("in_process"):
             _step_while_the_scheduler_has_work(llm)
         if cfg.get("check_units"):
             results[-1].update(_settled_units(cfg["check_units"]))
     return {"results": results}
+
+
+def _prompt(ids: list[int], images: list[str], embeds: str | None):
+    """vLLM's prompt for token ``ids`` with ``images`` (PNG paths, one per image placeholder in
+    ``ids``, which vLLM's processor expands), or for the prompt embeddings saved at ``embeds``
+    (``torch.save`` of a [tokens, hidden] tensor; ``ids`` unused)."""
+    from vllm.inputs import EmbedsPrompt, TokensPrompt
+
+    if embeds is not None:
+        import torch
+
+        return EmbedsPrompt(prompt_embeds=torch.load(embeds))
+    prompt = TokensPrompt(prompt_token_ids=ids)
+    if images:
+        from PIL import Image
+
+        prompt["multi_modal_data"] = {"image": [Image.open(p).convert("RGB") for p in images]}
+    return prompt
 
 
 def _metrics(llm, before: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, TypeVar
 
+from .connector.attribution import InputKind
 from .store.reasons import LOOKUP_MISSES, PUBLISH_FAILURES
 
 if TYPE_CHECKING:  # for readers and type checkers; prometheus_client is imported where it is used
@@ -29,8 +30,9 @@ PREFIX = "vllm:sparkcache_"
 
 # Why a request is neither offered nor captured (``skipped_requests{reason}``); the scheduler
 # half emits ``skipped_<reason>``.
-SKIP_REASONS = ("multimodal", "prompt_embeds", "lora_unreadable", "lora_changed",
-                "unencodable_input", "after_reset")
+SKIP_REASONS = ("lora_unreadable", "lora_changed", "unencodable_input", "after_reset")
+# What finished requests' prompts were made of.
+INPUT_KINDS = tuple(kind.value for kind in InputKind)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ COUNTERS: tuple[CounterMetric, ...] = (
     _counter("attributed_tokens", "Prompt tokens of finished requests by source.", "source",
              {"attr_local_hit_tokens": "local_hit", "attr_external_tokens": "external",
               "attr_recomputed_tokens": "recomputed"}),
+    _counter("attributed_external_tokens", "Prompt tokens of finished requests restored by sparkcache, "
+             "by what the prompt was made of: text, multimodal (images) or prompt_embeds.", "input",
+             {"attr_external_tokens_" + k: k for k in INPUT_KINDS}),
     _counter("attributed_requests", "Finished requests with an attribution record.", "complete",
              {"attr_requests_complete": "true", "attr_requests_incomplete": "false"}),
     _counter("restores", "Restores by outcome, once per request however many ranks placed their "
@@ -117,8 +122,8 @@ COUNTERS: tuple[CounterMetric, ...] = (
     _counter("load_failures", "Restores refused (corrupt, absent or unreadable); the request "
              "recomputes.", None, {"restores_failed": ""}),
     _counter("skipped_requests", "Requests neither offered a restore nor captured (they "
-             "recompute), by why: an input sparkcache does not restore yet, an adapter it cannot "
-             "tell apart, or a cache reset.", "reason", {"skipped_" + r: r for r in SKIP_REASONS}),
+             "recompute), by why: an adapter it cannot tell apart, an input it cannot key, or a "
+             "cache reset.", "reason", {"skipped_" + r: r for r in SKIP_REASONS}),
     _counter("quarantined_objects", "Page objects found corrupt on a restore and removed by a "
              "writing worker, so the next capture of their prefix writes them again.", None,
              {"objects_quarantined": ""}),

@@ -323,22 +323,13 @@ def _patch_glm_cpu_platform() -> None:
     init_workspace_manager(torch.device("cpu"))
 
 
-_REGISTRY_WITH_SHIM = ("from testing.torchvision_shim import install; install(); "
-                       "from vllm.model_executor.models.registry import _run; _run()")
-
-
 def _record_in_this_process(name: str, directory: str, out: str) -> None:
     """The subprocess: start vLLM for ``name`` until both configs are recorded; pickle them to ``out``."""
     recipe = FIELD_MODELS[name]
     if recipe.torchvision:
-        from testing.torchvision_shim import install
+        from testing.torchvision_shim import install_for_vllm
 
-        install()
-        # vLLM inspects a model class in a subprocess of its own (``_SUBPROCESS_COMMAND``, which its
-        # registry leaves to be changed): there too, torchvision through the shim.
-        from vllm.model_executor.models import registry
-
-        registry._SUBPROCESS_COMMAND = [sys.executable, "-c", _REGISTRY_WITH_SHIM]
+        install_for_vllm()
     if recipe.glm_cpu_patches:
         _patch_glm_cpu_platform()
     from vllm import LLM

@@ -21,6 +21,7 @@ of the calling process only. The product (``sparkcache/``) never imports this mo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import zipfile
@@ -64,12 +65,10 @@ def unpacked() -> Path:
     return Path(_build_once(out, WHEEL, write))
 
 
-def install():
-    """Make ``import torchvision`` work in this process (see the module's doc); returns the module.
-    Idempotent. Call before anything imports torchvision."""
+def prepare() -> None:
+    """Define the two operators' schemas and put the unpacked wheel first on ``sys.path``, so the
+    next ``import torchvision`` works. Idempotent."""
     global _library
-    if "torchvision" in sys.modules:
-        return sys.modules["torchvision"]
     import torch
 
     where = str(unpacked())
@@ -79,8 +78,62 @@ def install():
         _library = torch.library.Library("torchvision", "DEF")
         for schema in _SCHEMAS:
             _library.define(schema)
+
+
+def install():
+    """Make ``import torchvision`` work in this process (see the module's doc); returns the module.
+    Idempotent. Call before anything imports torchvision."""
+    if "torchvision" in sys.modules:
+        return sys.modules["torchvision"]
+    prepare()
     import torchvision
 
     assert torchvision.__version__.split("+")[0] == VERSION, torchvision.__file__
     assert not torchvision.extension._has_ops()  # a CPU build in the path would need no shim
     return torchvision
+
+
+def install_for_vllm():
+    """:func:`install`, and the same for the subprocesses vLLM starts to inspect a model class
+    (its registry's ``_SUBPROCESS_COMMAND``, which it leaves to be changed). Returns the module."""
+    module = install()
+    from vllm.model_executor.models import registry
+
+    registry._SUBPROCESS_COMMAND = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+                                    "from testing.torchvision_shim import install; install(); "
+                                    "from vllm.model_executor.models.registry import _run; _run()"]
+    return module
+
+
+_SITECUSTOMIZE = """\
+# Written by testing/torchvision_shim.py (site_dir): the first ``import torchvision`` of any
+# process started with this folder on PYTHONPATH goes through the shim. Nothing else is imported.
+import sys
+
+
+class _Shim:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            sys.path.insert(0, {repo!r})
+            from testing.torchvision_shim import prepare
+
+            prepare()
+        return None  # the path finders that follow find it
+
+
+sys.meta_path.insert(0, _Shim())
+"""
+
+
+def site_dir() -> Path:
+    """A folder holding a ``sitecustomize.py`` that runs :func:`prepare` in any process started
+    with the folder on ``PYTHONPATH``, at its first ``import torchvision`` (so an engine life's
+    processes, and the subprocesses vLLM starts to inspect a model class, import torchvision
+    through the shim). Written once."""
+    from testing.tinymodel import _build_once
+
+    text = _SITECUSTOMIZE.format(repo=str(REPO))
+    key = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return Path(_build_once(REPO / ".cache" / f"torchvision-site-{key}", "sitecustomize",
+                            lambda tmp: (tmp / "sitecustomize.py").write_text(text)))

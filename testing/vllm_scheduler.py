@@ -84,6 +84,7 @@ def make_scheduler(
     tensor_parallel_size: int = 1,
     kv_cache_config: Any = None,
     speculative: dict[str, Any] | None = None,
+    model: str | None = None,
 ):
     """vLLM's Scheduler over ``num_blocks`` blocks: full attention, plus a Mamba ("align") group
     when ``hybrid``; ``retention_interval`` 0 is production's prefix-cache retention (None: dense).
@@ -93,7 +94,10 @@ def make_scheduler(
     and block count then win. ``speculative``: ``SpeculativeConfig`` fields with the ``model``
     directory of the target whose drafter it configures (a field recipe's model: ``{"model":
     ..., "method": "mtp", "num_speculative_tokens": 1}``); the scheduler's own model config
-    stays the tiny one (a GLM model config would make the CPU platform change the cache)."""
+    stays the tiny one (a GLM model config would make the CPU platform change the cache).
+    ``model``: another model directory for the scheduler's model config (a multimodal model
+    gives the scheduler its encoder budget; its process needs ``import torchvision``:
+    ``testing.torchvision_shim.install_for_vllm``)."""
     import torch
     from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig)
@@ -106,7 +110,8 @@ def make_scheduler(
         num_blocks = int(kv_cache_config.num_blocks)
         block_size = int(kv_cache_config.hash_block_size)
     model_config = ModelConfig(
-        model=tiny_model_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len
+        model=model or tiny_model_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=model is None,
+        max_model_len=max_model_len
     )
     parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
     drafter = None

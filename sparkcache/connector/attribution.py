@@ -8,7 +8,9 @@ KV the first output token was computed from):
   reported the load finished without failure and the request was scheduled on them);
 - ``recomputed_tokens``: the rest of the prompt, computed by the model.
 
-The three sum to ``prompt_tokens``. A preemption before the prefill completes starts a new
+The three sum to ``prompt_tokens``. ``input`` says what the prompt was made of (``InputKind``:
+``text``, ``multimodal`` when it carries images or other multimodal items, ``prompt_embeds``),
+so the restored tokens of image turns can be told from the rest. A preemption before the prefill completes starts a new
 admission (counted in ``preemptions``); a failed restore is counted in ``failed_restores``
 and its tokens are recomputed. ``complete`` is False (with ``reason``) when the prefill
 never completed (aborted, or finished while a restore was in flight): then the numbers
@@ -20,10 +22,28 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM's types, for readers and type checkers; never imported at run time here
+    from vllm.v1.request import Request
 
 logger = logging.getLogger("sparkcache.attribution")
 
 LOG_PREFIX = "sparkcache-attribution "
+
+
+class InputKind(str, Enum):
+    """What a request's prompt is made of, beside token ids (its KV depends on it too)."""
+    TEXT = "text"
+    MULTIMODAL = "multimodal"        # images (or other multimodal items) among its tokens
+    PROMPT_EMBEDS = "prompt_embeds"  # embeddings given instead of token ids
+
+    @classmethod
+    def of(cls, request: Request) -> "InputKind":
+        if request.prompt_embeds is not None:
+            return cls.PROMPT_EMBEDS
+        return cls.MULTIMODAL if request.mm_features else cls.TEXT
 
 
 @dataclass
@@ -38,6 +58,7 @@ class AttributionRecord:
     preemptions: int = 0
     failed_restores: int = 0
     admissions: int = 0
+    input: InputKind = InputKind.TEXT
     prefill_done: bool = field(default=False, repr=False)
 
     def admit(self, computed_at_admission: int, consumed_external: int, *, resumed: bool = False) -> None:
@@ -71,7 +92,10 @@ class AttributionRecord:
             self.complete = True
             self.reason = "ok"
 
-    def finish(self, status: str) -> "AttributionRecord":
+    def finish(self, status: str, input_kind: InputKind = InputKind.TEXT) -> "AttributionRecord":
+        """The record at the request's end; ``input_kind`` as it ended (a streaming session
+        can add images to a request)."""
+        self.input = input_kind
         if not self.prefill_done:
             self.complete = False
             if self.admissions == 0:
@@ -83,6 +107,7 @@ class AttributionRecord:
     def public(self) -> dict:
         d = asdict(self)
         d.pop("prefill_done")
+        d["input"] = self.input.value
         return d
 
 

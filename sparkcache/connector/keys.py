@@ -12,13 +12,14 @@ and one more. The chain (scheme ``KEY_SCHEME``, docs/CONNECTOR.md):
 or, for a layout whose drafter reads the next token (``KVLayout.lookahead`` = k > 0: EAGLE /
 MTP draft layers' KV at position p is computed from the token at p + 1),
 
-    key_i = hex(sha256(d_i || b"lookahead" || the k token ids after block i, as above))[:40]
+    key_i = hex(sha256(d_i || b"lookahead" || the k token ids after block i, as above
+                       [|| canonical(window keys of those k tokens)]))[:40]
 
 (the chain itself, ``d_i``, is the same), so an entry is offered only to a request whose
-token after its last block is the one its draft KV was computed with. A block whose next k
-tokens are not known yet has no key. Multimodal and prompt-embedding requests are never
-offered or captured (``scheduler_side.unsupported_input``), so the lookahead is token ids
-only; an image or embedding right after a block would need its extra keys here too.
+token after its last block is the one its draft KV was computed with; where those k tokens
+hold an image or prompt embeddings (their window keys: each multimodal item in them with its
+offset, the sha256 of their embeddings; none for text), ``canonical(window keys)`` follows
+the token ids. A block whose next k tokens are not known yet has no key.
 
 The extra keys are vLLM's for that block (LoRA name and path; each multimodal item in
 the block with its offset; ``cache_salt`` on block 0; the sha256 of the block's prompt
@@ -76,13 +77,15 @@ class BlockKeys:
     a block's extra keys from its token range (None: the block has none); ``lookahead``: how
     many tokens after each block its key covers (module docstring)."""
 
-    __slots__ = ("block_size", "keys", "_digest", "_extra_keys", "_lookahead")
+    __slots__ = ("block_size", "keys", "_digest", "_extra_keys", "_window_keys", "_lookahead")
 
-    def __init__(self, block_size: int, extra_keys: ExtraKeys | None = None, lookahead: int = 0) -> None:
+    def __init__(self, block_size: int, extra_keys: ExtraKeys | None = None, lookahead: int = 0,
+                 window_keys: ExtraKeys | None = None) -> None:
         self.block_size = block_size
         self.keys: list[str] = []
         self._digest = hashlib.sha256(KEY_SCHEME.encode()).digest()
         self._extra_keys = extra_keys
+        self._window_keys = window_keys
         self._lookahead = lookahead
 
     def upto(self, token_ids: Sequence[int], n_blocks: int) -> list[str]:
@@ -100,21 +103,21 @@ class BlockKeys:
             self._digest = h.digest()
             if ahead:
                 key = hashlib.sha256(self._digest + b"lookahead" + _le_uint32(chunk[bs:]))
+                window = self._window_keys((i + 1) * bs, (i + 1) * bs + ahead) if self._window_keys else None
+                if window is not None:
+                    key.update(canonical(window))
                 self.keys.append(key.hexdigest()[:40])
             else:
                 self.keys.append(self._digest.hex()[:40])
         return self.keys[:n_blocks]
 
 
-def request_extra_keys(request: Request, adapter_fingerprint: str | None) -> ExtraKeys | None:
+def request_extra_keys(request: Request, adapter_fingerprint: str | None) -> ExtraKeys:
     """The extra keys of ``request``'s blocks (a vLLM ``Request``; ``adapter_fingerprint``
-    of its LoRA adapter, if any), or None for a request whose blocks have none. Blocks are
-    asked for in order, as ``BlockKeys`` does."""
+    of its LoRA adapter, if any). Blocks are asked for in order, as ``BlockKeys`` does. Read
+    from the request at each call: a streaming session appends tokens and images to it."""
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-    if not (request.lora_request or request.mm_features or request.cache_salt
-            or request.prompt_embeds is not None):
-        return None
     lora_files = (("lora_files", adapter_fingerprint),) if request.lora_request else ()
     mm_index = 0
 
@@ -125,6 +128,20 @@ def request_extra_keys(request: Request, adapter_fingerprint: str | None) -> Ext
         return keys or None
 
     return extra
+
+
+def request_window_keys(request: Request) -> ExtraKeys:
+    """The window keys of ``request``'s tokens ``[start, end)`` (module docstring): each
+    multimodal item in them with its offset, the sha256 of their prompt embeddings; None for
+    text. What a drafter reads besides token ids when it looks ahead."""
+    from vllm.v1.core.kv_cache_utils import _gen_mm_extra_hash_keys, _gen_prompt_embeds_extra_hash_keys
+
+    def window(start: int, end: int) -> tuple[object, ...] | None:
+        mm, _ = _gen_mm_extra_hash_keys(request, start, end, 0)
+        keys = tuple(mm) + tuple(_gen_prompt_embeds_extra_hash_keys(request, start, end))
+        return keys or None
+
+    return window
 
 
 def _le_uint32(token_ids: Sequence[int]) -> bytes:

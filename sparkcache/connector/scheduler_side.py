@@ -60,10 +60,10 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
     from sparkcache.settings import Settings
     from sparkcache.store import EntryHandle, Identity, PageStore
 
-from .attribution import AttributionRecord, emit
+from .attribution import AttributionRecord, InputKind, emit
 from .capture_plans import CapturePlan, CapturePlanner
 from .identity import AdapterFingerprints
-from .keys import BlockKeys, request_extra_keys
+from .keys import BlockKeys, request_extra_keys, request_window_keys
 from .kv_layout import KVLayout, LayoutKind
 from .samples import Samples, add_count
 from .shard_units import ShardUnits
@@ -208,17 +208,14 @@ class SchedulerSide:
                     if reason:
                         self._skip(st, reason)
                 st.keys = BlockKeys(self.block_size, request_extra_keys(request, fingerprint),
-                                    self.layout.lookahead)
+                                    self.layout.lookahead, request_window_keys(request))
         return st
 
     def _usable(self, st: _ReqState) -> bool:
         """Whether this request's KV may be offered or captured. Asked before every offer
-        and capture: a streaming session can add images or embeddings to a request after
-        it was first seen, and vLLM can reset the connector's cache (after a weight update)."""
-        if st.unsupported is None:
-            reason = "after_reset" if self.after_reset else unsupported_input(st.request)
-            if reason:
-                self._skip(st, reason)
+        and capture: vLLM can reset the connector's cache (after a weight update)."""
+        if st.unsupported is None and self.after_reset:
+            self._skip(st, "after_reset")
         return st.unsupported is None
 
     def _skip(self, st: _ReqState, reason: str) -> None:
@@ -464,13 +461,14 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         st = self.state(request)
         status = str(getattr(request.status, "name", request.status))
-        record = st.record.finish(status)
+        record = st.record.finish(status, InputKind.of(request))
         emit(record)
         self.records.append(record)
         del self.records[:-1024]
         self.counters.add("attr_requests_complete" if record.complete else "attr_requests_incomplete")
         self.counters.add("attr_local_hit_tokens", record.local_hit_tokens)
         self.counters.add("attr_external_tokens", record.external_tokens)
+        self.counters.add("attr_external_tokens_" + record.input.value, record.external_tokens)
         self.counters.add("attr_recomputed_tokens", record.recomputed_tokens)
         params = {"sparkcache": record.public()}
         if st.load_plan is not None:
@@ -519,13 +517,3 @@ class SchedulerSide:
         data, self.counters.data = self.counters.data, {}
         return data
 
-
-def unsupported_input(request: Request) -> str | None:
-    """Why a request's KV is neither offered nor captured (``multimodal``, ``prompt_embeds``),
-    or None. Multimodal inputs and prompt embeddings are keyed (``keys.py``), but their
-    restore has not been shown end to end on the engine; until it is, they recompute."""
-    if request.mm_features:
-        return "multimodal"
-    if request.prompt_embeds is not None:
-        return "prompt_embeds"
-    return None

@@ -72,6 +72,18 @@ def test_read_write_keeps_local_hits(normal):
     assert rw["captures"] > 0 and ro["captures"] == 0
 
 
+def test_image_turns_carry_real_mm_features_and_keep_their_local_hits(normal):
+    """Every 10th turn adds an image (its ``mm_features``: an identifier and its offset); the
+    turns after it are neither skipped nor lost to the store (at 403da3e the connector offered
+    and captured nothing for them)."""
+    summary, out = normal
+    rows = [r for r in csv.DictReader(open(out / "turns.csv")) if r["arm"] == "read-write"]
+    assert any(int(r["images"]) for r in rows)
+    rw = summary["arms"]["read-write"]
+    assert rw["continuation_turns_after_image"] > 0, rw
+    assert rw["continuation_turns_after_image_local_ge_50pct"] >= 0.97 * rw["continuation_turns_after_image"], rw
+
+
 def test_store_rescues_after_engine_restart(restart):
     rw = restart["arms"]["read-write"]
     assert rw["restarts"] == 1
@@ -89,6 +101,7 @@ def test_real_connector_scheduler_side_rescues_after_restart(tmp_path):
     assert summary["connector"].startswith("sparkcache.connector")
     rw = summary["arms"]["read-write"]
     assert rw["restarts"] == 1 and rw["captures"] > 0
+    assert rw["rescued_turns_after_image"] > 0, rw  # image turns restored by the real scheduler side
     assert rw["failed_restore_reads"] == 0 and rw["publish_failures"] == 0
     assert rw["rescued_turns"] > 0, rw
     lat = rw["median_latency_s"]

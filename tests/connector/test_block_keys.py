@@ -219,6 +219,34 @@ def test_prompt_embeds_with_identical_placeholder_ids_never_share_a_key():
     assert _keys(_request(zeros, embeds=e1.clone()), 4) == k1
 
 
+def test_lookahead_keys_cover_an_image_or_embeddings_after_the_block():
+    """A drafter's KV at a block's last position is computed from the token after it: where
+    that token is an image placeholder (or a prompt embedding), its key covers the image
+    (the embedding), not only the placeholder id."""
+    import torch
+
+    from sparkcache.connector.keys import request_window_keys
+
+    def ahead(request, n=4):
+        return BlockKeys(BS, request_extra_keys(request, None), 1,
+                         request_window_keys(request)).upto(request.all_token_ids, n)
+
+    # image a / b starting right after block 1 (token 2 * BS), so block 1's own tokens are text
+    a = ahead(_request(TOKENS, mm=[("hash-of-image-a", 2 * BS, 8)]))
+    b = ahead(_request(TOKENS, mm=[("hash-of-image-b", 2 * BS, 8)]))
+    text = ahead(_request(TOKENS))
+    assert a[0] == b[0] == text[0]
+    assert len({a[1], b[1], text[1]}) == 3  # block 1's key looks at the image after it
+    assert ahead(_request(TOKENS, mm=[("hash-of-image-a", 2 * BS, 8)])) == a
+    zeros = [0] * (BS * 4 + 1)
+    e = torch.randn(len(zeros), 8, generator=torch.Generator().manual_seed(1))
+    e2 = e.clone()
+    e2[BS, 0] += 1.0  # the first token after block 0
+    k1, k2 = ahead(_request(zeros, embeds=e)), ahead(_request(zeros, embeds=e2))
+    assert k1[0] != k2[0]  # block 0's own embeddings are equal; the one after differs
+    assert ahead(_request(zeros, embeds=e.clone())) == k1
+
+
 _SUBPROCESS = """
 import json, sys
 sys.path.insert(0, {repo!r})
