@@ -44,6 +44,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -182,11 +183,12 @@ def make_tiny_model(spec: TinyModelSpec = TINY, cache_dir: str | os.PathLike | N
 def _build_once(out: Path, description: str, write: Callable[[Path], None]) -> str:
     """``out`` as ``write`` fills it, built once: written into a temporary sibling, marked
     complete with ``description``, then renamed into place (a build cut short leaves no
-    ``out``; racing builders make identical ones and the first rename wins). Returns its path."""
+    ``out``; racing builders, in other processes or threads, make identical ones and the first
+    rename wins). Returns its path."""
     if (out / ".complete").exists():
         return str(out)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))  # one per builder, threads too
     write(tmp)
     (tmp / ".complete").write_text(description)
     try:

@@ -123,6 +123,9 @@ def request_extra_keys(request: Request, adapter_fingerprint: str | None) -> Ext
 
     def extra(start: int, end: int) -> tuple[object, ...] | None:
         nonlocal mm_index
+        if not (request.mm_features or request.lora_request or request.cache_salt
+                or request.prompt_embeds is not None):
+            return None  # a text request's blocks (until a streaming update adds an image)
         keys, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
         keys = tuple(keys or ()) + (lora_files if start == 0 else ())
         return keys or None
@@ -137,6 +140,8 @@ def request_window_keys(request: Request) -> ExtraKeys:
     from vllm.v1.core.kv_cache_utils import _gen_mm_extra_hash_keys, _gen_prompt_embeds_extra_hash_keys
 
     def window(start: int, end: int) -> tuple[object, ...] | None:
+        if not request.mm_features and request.prompt_embeds is None:
+            return None
         mm, _ = _gen_mm_extra_hash_keys(request, start, end, 0)
         keys = tuple(mm) + tuple(_gen_prompt_embeds_extra_hash_keys(request, start, end))
         return keys or None

@@ -96,8 +96,9 @@ def test_store_rescues_after_engine_restart(restart):
 def test_real_connector_scheduler_side_rescues_after_restart(tmp_path):
     # The real sparkcache.connector scheduler side plans every load and capture; the replay only
     # emulates the worker (bench.replay_a_worker) on the simulated clock, through the real store.
+    # An image every other turn, so turns that carry one are rescued after the restart too.
     summary = replay_a.run(["--out", str(tmp_path), "--connector", "sparkcache", "--arms", "read-write",
-                            "--restart-at", "450", *SMALL])
+                            "--restart-at", "450", *SMALL, "--image-every", "2"])
     assert summary["connector"].startswith("sparkcache.connector")
     rw = summary["arms"]["read-write"]
     assert rw["restarts"] == 1 and rw["captures"] > 0
