@@ -104,22 +104,6 @@ class ObjectStore:
             raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match their BLAKE3 name")
         _check_checksum(ref, hasher.hexdigest())
 
-    def read_many_verified_into(self, refs: list, views_of: Callable[[int], Sequence[memoryview]]) -> None:
-        """``read_verified_into(refs[i], views_of(i))`` for every page, a run of consecutive
-        pages per CPU on parallel threads: reads and hashing release the GIL, so each core
-        reads pages of its own and hashes each read while it is still in its cache (one
-        thread per CPU: more would evict each other's reads before they are hashed;
-        docs/RESULTS.md). Raises the first ``ObjectError`` in ``refs`` order once every
-        read has finished."""
-        readers = max(1, min(len(refs), os.cpu_count() or 1))
-        runs = [range(len(refs) * k // readers, len(refs) * (k + 1) // readers) for k in range(readers)]
-
-        def read_run(run: range) -> None:
-            for i in run:
-                self.read_verified_into(refs[i], views_of(i))
-
-        _each_in_parallel(read_run, runs, parallel=readers > 1)
-
     def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:
         """``read_verified`` without keeping the bytes: hashed (BLAKE3, against the name) a
         chunk at a time, so a page of any recorded size (a sparse file of 64 GiB included)

@@ -72,24 +72,6 @@ def test_a_flipped_byte_is_refused(tmp_path, recorded):
     assert err.value.reason is Reason.CORRUPT
 
 
-@pytest.mark.parametrize("bad", [[4], [1, 4], [5, 0]], ids=["one", "two", "first-and-last"])
-def test_pages_read_on_parallel_threads_raise_the_first_bad_one(tmp_path, bad):
-    """Runs of pages are read on one thread per CPU; every good page is still verified and
-    the error raised is the first bad page's, in page order."""
-    store = open_store(tmp_path / "s", page_blocks=1)
-    pages = [os.urandom(300_000 + i) for i in range(6)]
-    assert store.publish(IDENT, conv_keys(1, 6), pages).ok
-    refs = store.lookup(IDENT, conv_keys(1, 6)).handle.pages
-    views = [[memoryview(bytearray(len(p)))] for p in pages]
-    store.read_pages_into(refs, lambda i: views[i])  # the control
-    assert [bytes(v[0]) for v in views] == pages
-    for i in bad:
-        flip_bit(store.objects.path(refs[i].digest), 1234)
-    with pytest.raises(ObjectError) as err:
-        store.read_pages_into(refs, lambda i: views[i])
-    assert err.value.reason is Reason.CORRUPT and err.value.digest == refs[min(bad)].digest
-
-
 def test_an_object_gone_writes_nothing_and_sizes_must_add_up(tmp_path):
     store = open_store(tmp_path / "s", page_blocks=1)
     pages = [os.urandom(4096), os.urandom(4096)]
