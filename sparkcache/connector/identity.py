@@ -283,8 +283,8 @@ def describe_model_config(vllm_config: VllmConfig) -> str:
     """Every model setting that changes KV bytes beside the weight files, as one hash:
     quantization (method and online config), ``hf_overrides``, model implementation and
     class overrides, config source and code revision, load format and loader config, KV-cache
-    dtype, LongRoPE's choice of factors, and the speculative draft (its layers' KV is
-    stored too). The model's config.json is in ``weights``; the config vLLM derives from it
+    dtype, LongRoPE's choice of factors, the speculative draft (its layers' KV is
+    stored too), and a multimodal model's server-wide encoder settings (``_multimodal_settings``). The model's config.json is in ``weights``; the config vLLM derives from it
     is not used: model code may change it in a worker process and not in the scheduler's."""
     mc, cc, lc = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
     spec = getattr(vllm_config, "speculative_config", None)
@@ -305,8 +305,37 @@ def describe_model_config(vllm_config: VllmConfig) -> str:
         "kv_cache_dtype_skip_layers": list(getattr(cc, "kv_cache_dtype_skip_layers", []) or []),
         "calculate_kv_scales": getattr(cc, "calculate_kv_scales", None), "draft": draft,
     }
+    multimodal = _multimodal_settings(getattr(mc, "multimodal_config", None))
+    if multimodal is not None:  # only multimodal models' identities carry it
+        settings["multimodal"] = multimodal
     text = _canonical({k: _jsonable(v, k) for k, v in settings.items()})
     return "sha256:" + _sha256(text.encode())
+
+
+def _multimodal_settings(mm) -> dict | None:
+    """A multimodal model's server-wide settings that change what its encoder makes of an
+    image, and so the KV after it, while vLLM's image identifier stays the same (it hashes
+    the image and the request's own processor arguments, not the server's): the processor
+    and media arguments, the device normalisation, video pruning, and the encoder's fp8
+    attention with its scale file's bytes. None for a model without images."""
+    if mm is None:
+        return None
+    scales = getattr(mm, "mm_encoder_fp8_scale_path", None)
+    scale_bytes = None
+    if scales:
+        try:
+            with open(scales, "rb") as f:
+                scale_bytes = "sha256:" + _sha256(f.read())
+        except OSError as exc:
+            raise IdentityError(f"mm_encoder_fp8_scale_path={scales!r} cannot be read ({exc}): the store "
+                                "identity covers the encoder's fp8 scales; fix the path or unset it") from None
+    return {"mm_processor_kwargs": getattr(mm, "mm_processor_kwargs", None),
+            "media_io_kwargs": getattr(mm, "media_io_kwargs", None),
+            "mm_device_do_normalize": getattr(mm, "mm_device_do_normalize", None),
+            "video_pruning_rate": getattr(mm, "video_pruning_rate", None),
+            "video_pruning_method": getattr(mm, "video_pruning_method", None),
+            "mm_encoder_attn_dtype": getattr(mm, "mm_encoder_attn_dtype", None),
+            "mm_encoder_fp8_scales": scale_bytes}
 
 
 def describe_parallel(vllm_config: VllmConfig, ranks: dict[str, int]) -> str:

@@ -22,7 +22,7 @@ offset, the sha256 of their embeddings; none for text), ``canonical(window keys)
 the token ids. A block whose next k tokens are not known yet has no key.
 
 The extra keys are vLLM's for that block (LoRA name and path; each multimodal item in
-the block with its offset; ``cache_salt`` on block 0; the sha256 of the block's prompt
+the block with its offset, every one of items that share a range; ``cache_salt`` on block 0; the sha256 of the block's prompt
 embeddings) followed, on block 0 of a LoRA request, by ``("lora_files", fingerprint of the
 adapter directory)``: vLLM keys an adapter by name and path, so an adapter rewritten at
 the same path would otherwise restore KV computed with the old one.
@@ -114,35 +114,62 @@ class BlockKeys:
 
 def request_extra_keys(request: Request, adapter_fingerprint: str | None) -> ExtraKeys:
     """The extra keys of ``request``'s blocks (a vLLM ``Request``; ``adapter_fingerprint``
-    of its LoRA adapter, if any). Blocks are asked for in order, as ``BlockKeys`` does. Read
-    from the request at each call: a streaming session appends tokens and images to it."""
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    of its LoRA adapter, if any): vLLM's (``generate_block_hash_extra_keys``: LoRA, multimodal
+    items, ``cache_salt`` on block 0, prompt embeddings, in that order), except that every
+    multimodal item overlapping the block is keyed (``_mm_keys``). Blocks are asked for in
+    order, as ``BlockKeys`` does. Read from the request at each call: a streaming session
+    appends tokens and images to it."""
+    from vllm.v1.core.kv_cache_utils import _gen_lora_extra_hash_keys, _gen_prompt_embeds_extra_hash_keys
 
     lora_files = (("lora_files", adapter_fingerprint),) if request.lora_request else ()
-    mm_index = 0
+    first = 0  # the first multimodal item that may still overlap a block
 
     def extra(start: int, end: int) -> tuple[object, ...] | None:
-        nonlocal mm_index
+        nonlocal first
         if not (request.mm_features or request.lora_request or request.cache_salt
                 or request.prompt_embeds is not None):
             return None  # a text request's blocks (until a streaming update adds an image)
-        keys, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
-        keys = tuple(keys or ()) + (lora_files if start == 0 else ())
+        mm, first = _mm_keys(request, start, end, first)
+        keys = (tuple(_gen_lora_extra_hash_keys(request)) + tuple(mm)
+                + ((("cache_salt", request.cache_salt),) if start == 0 and request.cache_salt else ())
+                + tuple(_gen_prompt_embeds_extra_hash_keys(request, start, end))
+                + (lora_files if start == 0 else ()))
         return keys or None
 
     return extra
+
+
+def _mm_keys(request: Request, start: int, end: int, first: int = 0) -> tuple[list[tuple], int]:
+    """``("mm", identifier, offset in the block)`` of every multimodal item overlapping tokens
+    ``[start, end)``, in offset order, and the index to start from for a later range. vLLM's
+    own walk (``_gen_mm_extra_hash_keys``) stops at the first item not yet ended in the
+    block, so of items sharing a range (Qwen2.5-Omni's audio of a video) it keys only the first
+    until the block where they end; here each one is keyed wherever it lies. Items that do not
+    overlap another are keyed exactly as vLLM keys them."""
+    features = request.mm_features or ()
+    while first < len(features) and (features[first].mm_position.offset
+                                     + features[first].mm_position.length) <= start:
+        first += 1
+    keys = []
+    for feature in features[first:]:
+        offset, length = feature.mm_position.offset, feature.mm_position.length
+        if offset >= end:
+            break
+        if offset + length > start:
+            keys.append(("mm", feature.identifier, offset - start))
+    return keys, first
 
 
 def request_window_keys(request: Request) -> ExtraKeys:
     """The window keys of ``request``'s tokens ``[start, end)`` (module docstring): each
     multimodal item in them with its offset, the sha256 of their prompt embeddings; None for
     text. What a drafter reads besides token ids when it looks ahead."""
-    from vllm.v1.core.kv_cache_utils import _gen_mm_extra_hash_keys, _gen_prompt_embeds_extra_hash_keys
+    from vllm.v1.core.kv_cache_utils import _gen_prompt_embeds_extra_hash_keys
 
     def window(start: int, end: int) -> tuple[object, ...] | None:
         if not request.mm_features and request.prompt_embeds is None:
             return None
-        mm, _ = _gen_mm_extra_hash_keys(request, start, end, 0)
+        mm, _ = _mm_keys(request, start, end)
         keys = tuple(mm) + tuple(_gen_prompt_embeds_extra_hash_keys(request, start, end))
         return keys or None
 

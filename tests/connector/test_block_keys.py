@@ -247,6 +247,40 @@ def test_lookahead_keys_cover_an_image_or_embeddings_after_the_block():
     assert ahead(_request(zeros, embeds=e.clone())) == k1
 
 
+def _vllm_extra(request):
+    """vLLM's own extra keys per block (``generate_block_hash_extra_keys``), for comparison."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    index = 0
+
+    def extra(start, end):
+        nonlocal index
+        keys, index = generate_block_hash_extra_keys(request, start, end, index)
+        return tuple(keys) if keys else None
+
+    return extra
+
+
+def test_keys_equal_vllms_extra_keys_where_items_do_not_share_a_range():
+    import torch
+
+    cases = [_request(TOKENS, mm=[("a", 5, 3), ("b", 8, 40), ("c", 48, 2), ("d", 80, 30)], salt="t"),
+             _request(TOKENS, mm=[("a", 0, BS * 6 + 3)]),
+             _request([0] * len(TOKENS), embeds=torch.randn(len(TOKENS), 4, generator=torch.Generator().manual_seed(2)))]
+    for request in cases:
+        assert _keys(request) == BlockKeys(BS, _vllm_extra(request)).upto(request.all_token_ids, 6)
+
+
+def test_items_sharing_a_range_are_each_keyed_in_every_block():
+    """Qwen2.5-Omni gives a video's audio the video's placeholder range; vLLM's walk keys the
+    audio only in the block where both end, so a restore ending inside the range would not
+    tell one audio track from another."""
+    dub_a = _request(TOKENS, mm=[("video", 10, 60), ("audio-a", 10, 60)])
+    dub_b = _request(TOKENS, mm=[("video", 10, 60), ("audio-b", 10, 60)])
+    assert _keys(dub_a)[0] != _keys(dub_b)[0]
+    assert BlockKeys(BS, _vllm_extra(dub_a)).upto(TOKENS, 1) == BlockKeys(BS, _vllm_extra(dub_b)).upto(TOKENS, 1)
+
+
 _SUBPROCESS = """
 import json, sys
 sys.path.insert(0, {repo!r})

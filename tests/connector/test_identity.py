@@ -239,3 +239,45 @@ def test_a_store_of_the_previous_key_scheme_is_not_found_and_verify_names_it(tmp
     problems = verify_store(fresh.layout).problems
     assert [(p.kind, p.path) for p in problems] == [("corrupt_manifest", str(path))]
     assert "another key scheme" in problems[0].detail
+
+
+def multimodal_digests(model: str) -> dict:
+    """In a process whose vLLM imports torchvision through the shim (the last test): the
+    ``model_config`` digest of a multimodal model's configs, by what differs from the first."""
+    from sparkcache.connector.identity import describe_model_config
+    from testing.torchvision_shim import install_for_vllm
+
+    install_for_vllm()
+    variants = {"default": {}, "processor": {"mm_processor_kwargs": {"do_normalize": False}},
+                "pruning": {"video_pruning_rate": 0.5}, "normalize": {"mm_device_do_normalize": False},
+                "media": {"media_io_kwargs": {"video": {"num_frames": 8}}}}
+    out = {}
+    for name, kwargs in variants.items():
+        vllm_config, _ = _configs(model, **kwargs)
+        out[name] = describe_model_config(vllm_config)
+    out["again"] = describe_model_config(_configs(model)[0])
+    return out
+
+
+def test_a_multimodal_models_server_wide_encoder_settings_change_the_identity(tmp_path):
+    """vLLM's image identifier hashes the image and the request's processor arguments, not the
+    server's: a server restarted with other encoder settings must not restore KV made with the
+    old ones (a text model's identity has no such field: tests above, unchanged)."""
+    import json
+    import subprocess
+    import sys
+
+    from testing.tinyvlm import make_tiny_vlm
+    from testing.torchvision_shim import site_dir
+
+    tests = Path(__file__).resolve().parents[1]
+    code = ("import json, sys; from connector.test_identity import multimodal_digests; "
+            "print('RESULT', json.dumps(multimodal_digests(sys.argv[1])))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site_dir()), str(tests.parent), str(tests)]))
+    done = subprocess.run([sys.executable, "-c", code, make_tiny_vlm()], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
+    got = json.loads(lines[0][len("RESULT "):])
+    assert got["again"] == got["default"]
+    assert len({got[k] for k in ("default", "processor", "pruning", "normalize", "media")}) == 5, got
