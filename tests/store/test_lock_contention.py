@@ -57,8 +57,9 @@ def test_ordinary_contention_is_counted_and_not_logged(store, caplog):
         for _ in range(200):
             with pytest.raises(LockTimeout), shared_lock(store.layout, 0.002):
                 pass
-        # maintenance passes waiting 20% of a 100 ms budget (of a 5 ms budget, a pass that took
-        # over 1 ms to reach the lock on a loaded machine tried without waiting: not a timeout)
+        # maintenance passes waiting 20% of a 100 ms budget (with a budget 20 times smaller, a
+        # pass that reached the lock after its whole wait had gone, on a loaded machine, tried
+        # without waiting: not a timeout)
         for _ in range(50):
             assert run_pass(store, PassBudget(max_ms=100), sweep_shards=0).stopped_by == "lock"
     assert _lock_warnings(caplog) == []
