@@ -156,6 +156,8 @@ def _mm_keys(request: Request, start: int, end: int, first: int = 0) -> tuple[li
         if offset >= end:
             break
         if offset + length > start:
+            if feature.identifier is None:  # two such images would share keys: never keyed
+                raise TypeError(f"block key: a multimodal item at offset {offset} has no identifier")
             keys.append(("mm", feature.identifier, offset - start))
     return keys, first
 

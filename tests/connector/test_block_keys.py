@@ -271,6 +271,13 @@ def test_keys_equal_vllms_extra_keys_where_items_do_not_share_a_range():
         assert _keys(request) == BlockKeys(BS, _vllm_extra(request)).upto(request.all_token_ids, 6)
 
 
+def test_an_item_without_an_identifier_is_refused_not_keyed_as_none():
+    request = _request(TOKENS, mm=[("x", 20, 8)])
+    request.mm_features[0].identifier = None
+    with pytest.raises(TypeError, match="no identifier"):
+        _keys(request)  # the scheduler side skips such a request (unencodable_input)
+
+
 def test_items_sharing_a_range_are_each_keyed_in_every_block():
     """Qwen2.5-Omni gives a video's audio the video's placeholder range; vLLM's walk keys the
     audio only in the block where both end, so a restore ending inside the range would not
