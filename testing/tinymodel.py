@@ -98,18 +98,24 @@ def _corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def _train_tokenizer(spec: TinyModelSpec, out: Path) -> None:
+def trained_bpe(vocab_size: int, seed: int, special: list[str]):
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on the generated corpus of ``seed``,
+    ``special`` its first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    special = ["<unk>", "<s>", "</s>"]
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=special,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_corpus(seed=spec.seed), trainer=trainer)
+    tok.train_from_iterator(_corpus(seed=seed), trainer=trainer)
+    return tok
+
+
+def _train_tokenizer(spec: TinyModelSpec, out: Path) -> None:
+    tok = trained_bpe(spec.vocab_size, spec.seed, ["<unk>", "<s>", "</s>"])
     tok.save(str(out / "tokenizer.json"))
     chat_template = (
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -31,7 +31,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from testing.tinymodel import TinyModelSpec, _corpus, _build_once, default_cache_dir
+from testing.tinymodel import _build_once, default_cache_dir, trained_bpe
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -75,16 +75,9 @@ TINY_QWEN3_5 = VlmSpec(arch="qwen3_5", layer_types=("linear_attention", "full_at
 def _tokenizer(spec: VlmSpec, out: Path):
     """A byte-level BPE with Qwen's chat and vision tokens as special tokens (ids 0-6), saved
     with the chat template; returns the transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=list(CHAT_TOKENS + VISION_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(seed=spec.seed), trainer=trainer)
+    tok = trained_bpe(spec.vocab_size, spec.seed, list(CHAT_TOKENS + VISION_TOKENS))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    model_max_length=8192, chat_template=_CHAT_TEMPLATE)
     fast.save_pretrained(str(out))
