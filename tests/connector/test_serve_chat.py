@@ -160,16 +160,19 @@ def converse(base: str, messages: list[dict], turns: range) -> list[dict]:
 def settled_metrics(base: str, requests: int) -> tuple[dict, dict]:
     """``/metrics`` once every planned capture settled at the frontend (the last steps' stats
     arrive asynchronously), and again 2 s later (an idle server's numbers stay put)."""
-    deadline, samples = time.monotonic() + 60, {}
-    while time.monotonic() < deadline:
+    deadline, samples = time.monotonic() + 300, {}  # a disk behind another job's writes is slow
+    while True:
         samples = _samples(_get(base + "/metrics")[1])
-        queued = _value(samples, "vllm:sparkcache_captures_total", outcome="queued")
-        done = sum(_value(samples, "vllm:sparkcache_captures_total", outcome=o)
-                   for o in ("published", "publish_failed"))
-        if (_value(samples, "vllm:sparkcache_attributed_requests_total") >= requests and queued > 0
+        queued, skipped, done = (sum(_value(samples, "vllm:sparkcache_captures_total", outcome=o) for o in outcomes)
+                                 for outcomes in (("queued",), ("skipped_slots_full", "skipped_too_large"),
+                                                  ("published", "publish_failed")))
+        if (_value(samples, "vllm:sparkcache_attributed_requests_total") >= requests and queued + skipped > 0
                 and done >= queued and _value(samples, "vllm:sparkcache_publication_pending_slots") == 0
                 and _value(samples, "vllm:sparkcache_captures_unsettled") == 0):
             break
+        if time.monotonic() > deadline:  # a server killed now would lose what is still pending
+            raise AssertionError("the captures did not settle: " + str(
+                {k: v for k, v in samples.items() if "captures" in k[0] or "pending" in k[0]}))
         time.sleep(0.5)
     time.sleep(2.0)
     return samples, _samples(_get(base + "/metrics")[1])

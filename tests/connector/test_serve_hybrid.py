@@ -19,6 +19,10 @@ from .test_serve_chat import _record, _value, converse, serve, settled_metrics
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 HYBRID_ARGS = ("--mamba-cache-mode", "align", "--max-num-batched-tokens", str(BLOCK))
+# A capture that finds every slot still publishing is skipped (serving never waits for the
+# disk); the turns here follow each other faster than a disk busy with another job's writes
+# publishes, so each turn's capture gets a slot of its own (a small one: they are small).
+SLOTS = {"capture_slots": 8, "capture_slot_bytes": "64MiB"}
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +31,10 @@ def lives(hybrid_model, tmp_path_factory):
     root = tmp / "store"
     messages: list[dict] = [{"role": "system", "content": "you answer briefly"}]
     out = {}
-    with serve(hybrid_model, tmp, root, block_size=BLOCK, extra_args=HYBRID_ARGS) as srv:
+    with serve(hybrid_model, tmp, root, block_size=BLOCK, extra_args=HYBRID_ARGS, extra_config=SLOTS) as srv:
         out["first"] = converse(srv["base"], messages, range(0, 3))
         out["first_metrics"], _ = settled_metrics(srv["base"], 3)
-    with serve(hybrid_model, tmp, root, block_size=BLOCK, extra_args=HYBRID_ARGS) as srv:
+    with serve(hybrid_model, tmp, root, block_size=BLOCK, extra_args=HYBRID_ARGS, extra_config=SLOTS) as srv:
         out["second"] = converse(srv["base"], messages, range(3, 6))
         out["second_metrics"], _ = settled_metrics(srv["base"], 3)
     return out
@@ -47,6 +51,11 @@ def test_cached_tokens_match_the_record_on_every_turn(lives):
 
 
 def test_the_turn_after_the_restart_is_restored_with_its_recurrent_state(lives):
+    first = lives["first_metrics"]
+    # every turn of the first life published its capture (the deepest state of each prompt)
+    assert {o: _value(first, "vllm:sparkcache_captures_total", outcome=o) for o in (
+        "queued", "published", "publish_failed", "skipped_slots_full", "skipped_too_large")} == {
+        "queued": 3, "published": 3, "publish_failed": 0, "skipped_slots_full": 0, "skipped_too_large": 0}
     first_after = _record(lives["second"][0])
     previous_prompt = lives["first"][-1]["usage"]["prompt_tokens"]
     assert first_after["local_hit_tokens"] == 0
