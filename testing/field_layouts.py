@@ -60,7 +60,7 @@ from typing import Any
 from testing.tinymodel import TinyModelSpec, _build_once, _train_tokenizer, default_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
-HARNESS_VERSION = "field-layouts-v1"  # bump when what is recorded changes
+HARNESS_VERSION = "field-layouts-v2"  # bump when what is recorded changes
 KV_CACHE_MEMORY_BYTES = 512 << 20  # explicit (no RSS-based sizing, no warm-up forward): num_blocks is stable
 CONNECTOR = "FieldLayoutRecorder"
 
@@ -98,10 +98,10 @@ _SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_win
 _HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 
 
-def _glm5next(mtp: bool) -> dict:
+def _glm5next(mtp: int) -> dict:
     """GLM-5.3 (FIELD_LAYOUTS.md): 4 layers, KDA x3 + MLA (NoPE, kv_lora 512) with the kpool
     indexer; dense MLPs; bf16. With MTP: the multimodal wrapper's model type (the text-only one
-    refuses ``method: "mtp"``) and one next-n layer."""
+    refuses ``method: "mtp"``) and ``mtp`` next-n layers."""
     text = {**_COMMON, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
             "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 0,
             "qk_nope_head_dim": 64, "v_head_dim": 64, "index_topk": 256, "index_kpool": 16,
@@ -112,7 +112,7 @@ def _glm5next(mtp: bool) -> dict:
     if not mtp:
         return {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next_text", **text}
     return {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next", **text,
-            "num_nextn_predict_layers": 1, "image_token_index": 500}
+            "num_nextn_predict_layers": mtp, "image_token_index": 500}
 
 
 _GLM_ENGINE = {"dtype": "bfloat16", "load_format": "dummy", "mamba_cache_mode": "align"}
@@ -147,10 +147,14 @@ FIELD_MODELS: dict[str, FieldModel] = {
         "q_lora_rank": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
         "v_head_dim": 32, "torch_dtype": "float32"},
         {"dtype": "float32", "load_format": "dummy", "attention_backend": "CPU_MLA"}),
-    "glm5next": FieldModel("Glm5NextForCausalLM", _glm5next(mtp=False), _GLM_ENGINE,
+    "glm5next": FieldModel("Glm5NextForCausalLM", _glm5next(mtp=0), _GLM_ENGINE,
                            glm_cpu_patches=True, torchvision=True),
-    "glm5next-mtp": FieldModel("Glm5NextForCausalLM", _glm5next(mtp=True), {
+    "glm5next-mtp": FieldModel("Glm5NextForCausalLM", _glm5next(mtp=1), {
         **_GLM_ENGINE, "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+        glm_cpu_patches=True, torchvision=True),
+    # a chain of two MTP modules, the second reading two tokens ahead (multi-module MTP)
+    "glm5next-mtp2": FieldModel("Glm5NextForCausalLM", _glm5next(mtp=2), {
+        **_GLM_ENGINE, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
         glm_cpu_patches=True, torchvision=True),
     "nemotronh-ngram": FieldModel("NemotronHForCausalLM", None, {
         "dtype": "float32", "block_size": 32, "mamba_cache_mode": "align",
@@ -201,6 +205,7 @@ def _facts(vllm_config, kv_cache_config) -> dict:
         "dtype": str(model.dtype), "max_model_len": model.max_model_len, "use_mla": model.use_mla,
         "speculative_method": spec.method if spec else None,
         "num_speculative_tokens": spec.num_speculative_tokens if spec else None,
+        "num_prefill_lookahead_tokens": vllm_config.num_prefill_lookahead_tokens,
         "attention_backends": backends,
     }
 

@@ -7,8 +7,8 @@ layer, as the GPU model runner does. Only the forward is synthetic: for every sc
 writes, into each stored layer's blocks, bytes that depend on the tokens before that block's end
 and the layer (``expected_block``), and into each recurrent group's running column the state
 after the chunk (``expected_state``). A draft layers' group (EAGLE / MTP, ``is_eagle_group``)
-also depends on the token after each position, as a drafter's KV does (its input at p is the
-token at p + 1). So after a restore every placed byte can be compared with what the model
+also depends on the tokens after each position, as a drafter's KV does (its input at p is the
+token at p + 1; in a chain of MTP modules, module j's is the token at p + j). So after a restore every placed byte can be compared with what the model
 would have written, and a block that was not placed, or placed from another prompt, differs.
 
 Import only inside a process that may import vLLM.
@@ -32,6 +32,17 @@ def _seed(tokens: list[int], layer: str, what: str) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
 
+def _module_reach(layer: str, target_layers: int) -> int:
+    """How far past a position the input of a layer in the draft group reaches: the first MTP
+    module (numbered on from the target's layers, ``model.layers.{num_hidden_layers + j}``)
+    reads the next token, the second two tokens on, and so on; a target layer sharing the group
+    none; a layer named otherwise, or any with ``target_layers`` unknown (0), one."""
+    import re
+
+    found = re.search(r"layers\.(\d+)\.", layer)
+    return max(0, int(found.group(1)) - target_layers + 1) if found and target_layers > 0 else 1
+
+
 def _bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
@@ -53,16 +64,19 @@ class FieldWorker:
     counters: dict[str, float] = field(default_factory=dict)  # the worker's, summed over steps
     before_load: Callable[[object, object], None] | None = None  # (worker, plan) before it is placed
     after_load: Callable[[object, object], None] | None = None   # (worker, plan) right after, before the forward
-    draft_layers: frozenset[str] = frozenset()  # layers of a draft (EAGLE / MTP) group
+    # layers of a draft (EAGLE / MTP) group -> how many tokens past a position its input reaches
+    draft_reach: dict[str, int] = field(default_factory=dict)
     # speculative decoding: the model's tokens (a list: accepted drafts and the next one) and the
     # drafter's proposals (``testing.vllm_scheduler.step``)
     sample: Callable[[object], int | list[int]] | None = None
     drafts: Callable[[object], list[int]] | None = None
 
     @classmethod
-    def start(cls, scheduler, worker_cfg, settings, *, seed: int = 0) -> "FieldWorker":
+    def start(cls, scheduler, worker_cfg, settings, *, seed: int = 0, target_layers: int = 0) -> "FieldWorker":
         """A ``WorkerSide`` for ``worker_cfg`` under the identity the scheduler's connector
-        computed, on fresh tensors filled with random bytes (``seed``)."""
+        computed, on fresh tensors filled with random bytes (``seed``). ``target_layers``: the
+        model's ``num_hidden_layers`` (the draft group's layers numbered from there on are
+        MTP modules)."""
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -81,15 +95,16 @@ class FieldWorker:
             raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
         worker.register_kv_caches(caches)
-        draft = frozenset(n for g in worker_cfg.kv_cache_groups if g.is_eagle_group for n in g.layer_names)
-        return cls(worker, scheduler, int(scheduler.block_size), draft_layers=draft)
+        reach = {n: _module_reach(n, target_layers) for g in worker_cfg.kv_cache_groups if g.is_eagle_group
+                 for n in g.layer_names}
+        return cls(worker, scheduler, int(scheduler.block_size), draft_reach=reach)
 
     # ------------------------------------------------------------------ the model
 
     def expected_block(self, tokens: list[int], layer: str, block: int, upto: int) -> torch.Tensor:
         """What the forward writes into ``layer``'s block ``block`` once ``upto`` tokens are
-        computed (a draft layer's: and the token after them)."""
-        end = min((block + 1) * self.block_size, upto) + (layer in self.draft_layers)
+        computed (a draft layer's: and the tokens after them it reads)."""
+        end = min((block + 1) * self.block_size, upto) + self.draft_reach.get(layer, 0)
         return _bytes(self.worker.views[layer].block_bytes, _seed(tokens[:end], layer, "page"))
 
     def expected_state(self, tokens: list[int], layer: str, upto: int) -> torch.Tensor:

@@ -354,7 +354,8 @@ def make_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_ra
     mc = vllm_config.model_config
     drafter = vllm_config.speculative_config
     layout = describe_kv_layout(kv_cache_config, int(vllm_config.cache_config.block_size),
-                                drafter.method if drafter is not None else None)
+                                drafter.method if drafter is not None else None,
+                                vllm_config.num_prefill_lookahead_tokens)
     weights = weights_fingerprint(vllm_config, declared_weights)
     identity = Identity(
         model=f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}:{mc.dtype}",

@@ -9,14 +9,15 @@ and one more. The chain (scheme ``KEY_SCHEME``, docs/CONNECTOR.md):
                          || canonical(extra keys of block i))
     key_i = hex(d_i)[:40]
 
-or, for a layout whose drafter reads the next token (``KVLayout.lookahead`` = k > 0: EAGLE /
-MTP draft layers' KV at position p is computed from the token at p + 1),
+or, for a layout whose drafter reads the next tokens (``KVLayout.lookahead`` = k > 0: EAGLE /
+MTP draft layers' KV at position p is computed from the token at p + 1; module j of a chain of
+MTP modules from the token at p + j, so k is vLLM's ``num_prefill_lookahead_tokens``),
 
     key_i = hex(sha256(d_i || b"lookahead" || the k token ids after block i, as above
                        [|| canonical(window keys of those k tokens)]))[:40]
 
 (the chain itself, ``d_i``, is the same), so an entry is offered only to a request whose
-token after its last block is the one its draft KV was computed with; where those k tokens
+k tokens after its last block are the ones its draft KV was computed with; where those k tokens
 hold an image or prompt embeddings (their window keys: each multimodal item in them with its
 offset, the sha256 of their embeddings; none for text), ``canonical(window keys)`` follows
 the token ids. A block whose next k tokens are not known yet has no key.

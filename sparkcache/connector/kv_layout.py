@@ -209,9 +209,10 @@ def _role(spec: KVCacheSpec, layer: str, block_size: int | None) -> tuple[GroupR
                                "attention, MLA, sliding windows and align-mode recurrent state)")
 
 
-# Drafters whose KV at position p depends on the tokens up to p + 1 (their input at p is the
-# target's hidden state at p and the token at p + 1): ``SpeculativeConfig.use_eagle`` minus the
-# DFlash / DSpark drafters, whose reads sparkcache has not followed.
+# Drafters whose KV at position p depends on the tokens after p (their input at p is the
+# target's hidden state at p and the token at p + 1; module j of a multi-module MTP chain reads
+# the token at p + j): ``SpeculativeConfig.use_eagle`` minus the DFlash / DSpark drafters, whose
+# reads sparkcache has not followed.
 NEXT_TOKEN_DRAFTERS = frozenset({"eagle", "eagle3", "mtp"})
 OTHER_HIDDEN_STATE_DRAFTERS = frozenset({"dflash", "dspark"})
 
@@ -229,10 +230,12 @@ def _group_problem(group: KVCacheGroupSpec, role: GroupRole) -> str:
 
 
 def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = None,
-                       speculative_method: str | None = None) -> KVLayout:
+                       speculative_method: str | None = None, prefill_lookahead: int = 1) -> KVLayout:
     """``block_size``: the engine's (``cache_config.block_size``); a stored group in blocks of
     another size is refused. ``speculative_method``: vLLM's ``speculative_config.method``, if
-    any. Raises ``ValueError`` for a group whose layers would be stored differently: the
+    any; ``prefill_lookahead``: how many tokens past a position its drafter reads there
+    (``VllmConfig.num_prefill_lookahead_tokens``: one, or a multi-module MTP chain's length).
+    Raises ``ValueError`` for a group whose layers would be stored differently: the
     scheduler sees only its first layer and would decide otherwise."""
     groups = []
     pages: list[int] = []
@@ -277,7 +280,7 @@ def describe_kv_layout(kv_cache_config: KVCacheConfig, block_size: int | None = 
         if role is GroupRole.STATE:
             described["conv_state_layout"] = _conv_state_layout()
         groups.append(described)
-    lookahead = 1 if drafted else 0
+    lookahead = max(1, prefill_lookahead) if drafted else 0
     described_layout: dict[str, object] = {
         "groups": groups, "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", ""))}
     if lookahead:  # only then: every identity without a drafter stays what it was

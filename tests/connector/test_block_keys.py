@@ -62,6 +62,13 @@ def test_lookahead_keys_cover_the_token_after_each_block_and_keep_the_chain():
     digest = hashlib.sha256(digest + b"".join(t.to_bytes(4, "little") for t in tokens[:32]) + b"N").digest()
     assert a[0] == hashlib.sha256(digest + b"lookahead" + tokens[32].to_bytes(4, "little")).hexdigest()[:40]
     assert BlockKeys(32, lookahead=1).upto(tokens + [5], 4)[:3] == a  # extends the same way
+    # a chain of two MTP modules (lookahead 2): the second token after a block is covered too
+    second = list(tokens)
+    second[65] ^= 1
+    assert BlockKeys(32, lookahead=1).upto(second, 3)[1] == a[1]
+    two = BlockKeys(32, lookahead=2).upto(tokens, 4)
+    assert len(two) == 3 and two[1] != BlockKeys(32, lookahead=2).upto(second, 4)[1]
+    assert len(BlockKeys(32, lookahead=2).upto(tokens[:97], 4)) == 2  # block 2's second token unknown
 
 
 def test_token_id_outside_uint32_is_refused():

@@ -58,7 +58,7 @@ def test_scheduler_config_is_the_workers_with_each_groups_first_spec(name):
     # every group's block is the engine's, except the tail rings that opt out of prefix caching
     assert got.block_size == min(g.kv_cache_spec.block_size for g in scheduler.kv_cache_groups
                                  if g.kv_cache_spec.prefix_cacheable)
-    if name == "glm5next-mtp":
+    if name in ("glm5next-mtp", "glm5next-mtp2"):
         assert got.scheduler_from == "engine_core"
     else:
         assert got.scheduler_from == "connector" and got.startup_error is None
@@ -219,6 +219,7 @@ EXPECTED_KIND = {  # sparkcache's verdict for each model, the same on both halve
     "gpt-oss": ("hybrid", ""),  # its window group's window in the boundary object
     "mistral": ("hybrid", ""),  # its window group's window in the boundary object
     "glm5next-mtp": ("hybrid", ""),  # the MTP group's pages under keys that look one token ahead
+    "glm5next-mtp2": ("hybrid", ""),  # ... two tokens ahead: the second module reads that far
 }
 
 
@@ -230,9 +231,9 @@ def test_the_classifier_gives_both_halves_the_same_verdict_and_identity(name):
     from sparkcache.connector.kv_layout import describe_kv_layout
 
     got = layout(name)
-    method = got.facts["speculative_method"]
-    w, s = (describe_kv_layout(got.worker, got.block_size, method),
-            describe_kv_layout(got.scheduler, got.block_size, method))
+    method, ahead = got.facts["speculative_method"], got.facts["num_prefill_lookahead_tokens"]
+    w, s = (describe_kv_layout(got.worker, got.block_size, method, ahead),
+            describe_kv_layout(got.scheduler, got.block_size, method, ahead))
     assert (w.kind, w.page_groups, w.state_groups, w.unsupported) == \
         (s.kind, s.page_groups, s.state_groups, s.unsupported)
     assert w.description == s.description
@@ -243,3 +244,6 @@ def test_the_classifier_gives_both_halves_the_same_verdict_and_identity(name):
         assert (w.state_groups, w.page_groups) == ((0, 1, 2), (3,))
     if name == "glm5next-mtp":  # KDA x2 state; MLA + indexer (the MTP layer's too); no ring
         assert (w.state_groups, w.page_groups, w.lookahead) == ((0, 1), (2,), 1)
+    if name == "glm5next-mtp2":  # keys cover as many tokens as vLLM keeps for the drafter's chain
+        assert w.lookahead == got.facts["num_prefill_lookahead_tokens"] == 2
+        assert '"key_lookahead":2' in w.description

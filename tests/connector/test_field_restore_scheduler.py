@@ -15,7 +15,9 @@ without MTP) and DeepSeek-V3 were refused (nothing stored).
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import torch
 
@@ -48,7 +50,8 @@ def _setup(name: str, root, seed: int, retention_interval: int | None = 0):
                                max_model_len=4096, max_num_batched_tokens=8192, speculative=speculative,
                                retention_interval=retention_interval)
     settings = load_settings(env={}, extra_config=extra)
-    return FieldWorker.start(scheduler, got.worker, settings, seed=seed)
+    target_layers = json.loads((Path(got.model_dir) / "config.json").read_text()).get("num_hidden_layers", 0)
+    return FieldWorker.start(scheduler, got.worker, settings, seed=seed, target_layers=target_layers)
 
 
 def _publish_first(name: str, root) -> tuple[list[int], dict, int]:
@@ -194,12 +197,13 @@ def test_a_missing_or_damaged_object_of_any_group_is_never_placed(kind, how, tmp
     assert fw.counters.get("captures_published", 0) >= 1  # recomputed, and stored again
 
 
-@pytest.mark.parametrize("name", ["glm5next-mtp", "glm5next"])
-def test_with_mtp_an_entry_is_offered_only_where_the_token_after_it_is_the_same(name, tmp_path):
-    """The same prompt with the token right after the entry's last block changed. The MTP
-    layer's KV in that block was computed with the old token, so placing it would serve wrong
-    bytes to the drafter: not offered, recomputed. Without a drafter nothing stored depends on
-    that token: restored as before."""
+@pytest.mark.parametrize("name", ["glm5next-mtp", "glm5next-mtp2", "glm5next"])
+def test_with_mtp_an_entry_is_offered_only_where_the_tokens_after_it_are_the_same(name, tmp_path):
+    """The same prompt with the farthest token after the entry's last block that the drafter
+    reads changed: the next one for one MTP module, the second for a chain of two (whose second
+    module reads two tokens on). That MTP layer's KV in that block was computed with the old
+    token, so placing it would serve wrong bytes to the drafter: not offered, recomputed.
+    Without a drafter nothing stored depends on that token: restored as before."""
     from testing.vllm_scheduler import make_request
 
     root = tmp_path / "store"
@@ -207,10 +211,12 @@ def test_with_mtp_an_entry_is_offered_only_where_the_token_after_it_is_the_same(
     assert counters.get("captures_published", 0) >= 1, counters
     fw = _setup(name, root, seed=1)
     depth, bs = _depth(fw), fw.block_size
+    reach = max(fw.draft_reach.values(), default=1)
+    assert reach == {"glm5next-mtp2": 2}.get(name, 1)
     changed = list(tokens)
-    changed[depth * bs] += 1
-    if fw.draft_layers:  # the comparison could fail: that block's draft KV differs
-        layer = sorted(fw.draft_layers)[0]
+    changed[depth * bs + reach - 1] += 1
+    if fw.draft_reach:  # the comparison could fail: that block's draft KV differs
+        layer = max(sorted(fw.draft_reach), key=fw.draft_reach.get)
         assert not fw.expected_block(tokens, layer, depth - 1, depth * bs).equal(
             fw.expected_block(changed, layer, depth - 1, depth * bs))
     seen: dict = {}
@@ -220,7 +226,7 @@ def test_with_mtp_an_entry_is_offered_only_where_the_token_after_it_is_the_same(
         fw.run(request)
     finally:
         fw.close()
-    if fw.draft_layers:
+    if fw.draft_reach:
         assert fw.placed == [] and "after" not in seen
         assert request.num_computed_tokens >= len(tokens)  # recomputed to the end
     else:

@@ -163,6 +163,9 @@ def test_a_next_token_drafters_pages_are_stored_with_keys_that_look_one_token_ah
     assert w.kind is s.kind is LayoutKind.HYBRID, w.unsupported
     assert w.page_groups == (3,) and w.state_groups == (0, 1, 2)
     assert w.lookahead == s.lookahead == 1 and w.description == s.description
+    # a chain of MTP modules reads further: its keys look as far ahead, under another identity
+    chain = describe_kv_layout(worker, B, method, prefill_lookahead=3)
+    assert chain.lookahead == 3 and chain.description != w.description
     plain = describe_kv_layout(_glm_like()[1], B)
     assert plain.lookahead == 0 and '"key_lookahead"' not in plain.description
     assert plain.description != w.description
