@@ -67,11 +67,21 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
 logger = logging.getLogger("sparkcache.connector")
 
 
+def _done(work: Callable[[], object]) -> Future:
+    """``work()`` run now, as a finished future (its result, or what it raised)."""
+    future: Future = Future()
+    try:
+        future.set_result(work())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
 @dataclass
 class _PublishJob:
     """One capture's publication. A streamed job's pages are copied ``chunk_blocks`` blocks at
-    a time (the first chunk by the copier thread when the plan arrives, the rest by the
-    publisher) from the blocks vLLM holds for it until ``finished_sending``; another's were
+    a time (the first chunk when the plan arrives: by the copier thread on an accelerator, by
+    the model's thread on the CPU; the rest by the publisher) from the blocks vLLM holds for it until ``finished_sending``; another's were
     copied into its slot before it was queued."""
 
     req_id: str
@@ -81,7 +91,7 @@ class _PublishJob:
     chunk_blocks: int
     queued_at: float  # time.monotonic() when the plan arrived
     marker: object | None = None  # streamed, on an accelerator: the event its copies wait for
-    first: Future | None = None  # streamed: the copy of its first chunk (the copier thread's)
+    first: Future | None = None  # streamed: the copy of its first chunk
     pages: list[memoryview] | None = None  # copied already: the new pages; None: streamed
     state: memoryview | None = None
     released: bool = False  # streamed: reported in finished_sending (exactly once)
@@ -127,8 +137,9 @@ class WorkerSide:
                         "maintenance run on the other allowed ones, if any", sorted(model_cpus))
             self.slots = CaptureSlots(settings.capture_slots, settings.capture_slot_bytes,
                                       self._publish, self._host_buffer)
-            # copies a streamed capture's first chunk as soon as its plan arrives, off the
-            # model's CPUs and at the publisher's priority (those cores run vLLM's engine core)
+            # copies a streamed capture's first chunk out of an accelerator as soon as its plan
+            # arrives, off the model's CPUs and at the publisher's priority (those cores run
+            # vLLM's engine core)
             self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_as_publisher)
             self._copier.submit(int)  # its thread starts now, not in the first capture's step
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
@@ -399,8 +410,9 @@ class WorkerSide:
 
     def capture(self, plan: CapturePlan) -> None:
         """A capture plan of this step. A finished request's (no boundary object) streams:
-        its pages are copied a slot's worth at a time (the first at once by the copier thread,
-        the rest by the publisher as the store writes the ones before) and it reports the
+        its pages are copied a slot's worth at a time (the first at once: by the copier thread
+        from an accelerator, here from the CPU; the rest by the publisher as the store writes
+        the ones before) and it reports the
         request in ``finished_sending`` once the last is copied (vLLM holds its blocks until
         then). A hybrid plan (one with a boundary object) waits for this step's forward, which
         writes its state, and is copied whole right after it (``capture_after_forward``):
@@ -450,8 +462,12 @@ class WorkerSide:
             if streamed:
                 job.marker = kv_copy.copy_marker(layers)
                 # copied at once (its blocks released when it is the last), not behind the
-                # writing of the captures queued before it
-                job.first = self._copier.submit(lambda: self._copy_chunk(job, 0, self.slots.buffer(ticket)))
+                # writing of the captures queued before it: on an accelerator on the copier
+                # thread (a side stream); on the CPU here, on the model's thread, between its
+                # forwards (the same copy on another thread slowed the decode of every request
+                # running meanwhile: docs/RESULTS.md, "Report B on the engine")
+                copy = lambda: self._copy_chunk(job, 0, self.slots.buffer(ticket))  # noqa: E731
+                job.first = self._copier.submit(copy) if job.marker is not None else _done(copy)
             else:
                 buffer = self.slots.buffer(ticket)
                 job.pages = (self._gather_pages(layers, buffer) if layers else  # windows only: no pages
@@ -475,7 +491,7 @@ class WorkerSide:
 
     def _stream(self, job: _PublishJob, buffer: memoryview) -> PageStream:
         """A streamed job's pages, a chunk at a time as the store asks for them: the first
-        copied by the copier thread when the plan arrived, each next one into the same buffer
+        copied when the plan arrived, each next one into the same buffer
         once the store wrote the one before."""
         n_new = len(job.layers[0][1])
         per_block = kv_copy.page_bytes(job.layers, 1)
