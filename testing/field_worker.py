@@ -8,8 +8,9 @@ writes, into each stored layer's blocks, bytes that depend on the tokens before 
 and the layer (``expected_block``), and into each recurrent group's running column the state
 after the chunk (``expected_state``). A draft layers' group (EAGLE / MTP, ``is_eagle_group``)
 also depends on the tokens after each position, as a drafter's KV does (its input at p is the
-token at p + 1; in a chain of MTP modules, module j's is the token at p + j). So after a restore every placed byte can be compared with what the model
-would have written, and a block that was not placed, or placed from another prompt, differs.
+token at p + 1; in a chain of MTP modules, module j's is the token at p + j). So after a
+restore every placed byte can be compared with what the model would have written, and a block
+that was not placed, or placed from another prompt, differs.
 
 Import only inside a process that may import vLLM.
 """
@@ -17,6 +18,7 @@ Import only inside a process that may import vLLM.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,8 +39,6 @@ def _module_reach(layer: str, target_layers: int) -> int:
     module (numbered on from the target's layers, ``model.layers.{num_hidden_layers + j}``)
     reads the next token, the second two tokens on, and so on; a target layer sharing the group
     none; a layer named otherwise, or any with ``target_layers`` unknown (0), one."""
-    import re
-
     found = re.search(r"layers\.(\d+)\.", layer)
     return max(0, int(found.group(1)) - target_layers + 1) if found and target_layers > 0 else 1
 

@@ -81,8 +81,8 @@ def _done(work: Callable[[], object]) -> Future:
 class _PublishJob:
     """One capture's publication. A streamed job's pages are copied ``chunk_blocks`` blocks at
     a time (the first chunk when the plan arrives: by the copier thread on an accelerator, by
-    the model's thread on the CPU; the rest by the publisher) from the blocks vLLM holds for it until ``finished_sending``; another's were
-    copied into its slot before it was queued."""
+    the model's thread on the CPU; the rest by the publisher) from the blocks vLLM holds for
+    it until ``finished_sending``; another's were copied into its slot before it was queued."""
 
     req_id: str
     keys: list[str]
@@ -412,9 +412,8 @@ class WorkerSide:
         """A capture plan of this step. A finished request's (no boundary object) streams:
         its pages are copied a slot's worth at a time (the first at once: by the copier thread
         from an accelerator, here from the CPU; the rest by the publisher as the store writes
-        the ones before) and it reports the
-        request in ``finished_sending`` once the last is copied (vLLM holds its blocks until
-        then). A hybrid plan (one with a boundary object) waits for this step's forward, which
+        the ones before) and it reports the request in ``finished_sending`` once the last is
+        copied (vLLM holds its blocks until then). A hybrid plan (one with a boundary object) waits for this step's forward, which
         writes its state, and is copied whole right after it (``capture_after_forward``):
         vLLM may hand those blocks to another request at the next step."""
         if plan.state_block_ids is not None:
@@ -491,8 +490,8 @@ class WorkerSide:
 
     def _stream(self, job: _PublishJob, buffer: memoryview) -> PageStream:
         """A streamed job's pages, a chunk at a time as the store asks for them: the first
-        copied when the plan arrived, each next one into the same buffer
-        once the store wrote the one before."""
+        copied when the plan arrived, each next one into the same buffer once the store wrote
+        the one before."""
         n_new = len(job.layers[0][1])
         per_block = kv_copy.page_bytes(job.layers, 1)
         sizes = [None] * job.reuse_pages + [per_block * min(self.bpp, n_new - k) for k in range(0, n_new, self.bpp)]
