@@ -283,9 +283,10 @@ def describe_model_config(vllm_config: VllmConfig) -> str:
     """Every model setting that changes KV bytes beside the weight files, as one hash:
     quantization (method and online config), ``hf_overrides``, model implementation and
     class overrides, config source and code revision, load format and loader config, KV-cache
-    dtype, LongRoPE's choice of factors, the speculative draft (its layers' KV is
-    stored too), and a multimodal model's server-wide encoder settings (``_multimodal_settings``). The model's config.json is in ``weights``; the config vLLM derives from it
-    is not used: model code may change it in a worker process and not in the scheduler's."""
+    dtype, LongRoPE's choice of factors, the speculative draft (its layers' KV is stored
+    too), and a multimodal model's server-wide encoder settings (``_multimodal_settings``).
+    The model's config.json is in ``weights``; the config vLLM derives from it is not used:
+    model code may change it in a worker process and not in the scheduler's."""
     mc, cc, lc = vllm_config.model_config, vllm_config.cache_config, vllm_config.load_config
     spec = getattr(vllm_config, "speculative_config", None)
     draft = None

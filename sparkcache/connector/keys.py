@@ -23,8 +23,8 @@ offset, the sha256 of their embeddings; none for text), ``canonical(window keys)
 the token ids. A block whose next k tokens are not known yet has no key.
 
 The extra keys are vLLM's for that block (LoRA name and path; each multimodal item in
-the block with its offset, every one of items that share a range; ``cache_salt`` on block 0; the sha256 of the block's prompt
-embeddings) followed, on block 0 of a LoRA request, by ``("lora_files", fingerprint of the
+the block with its offset, every one of items that share a range; ``cache_salt`` on block
+0; the sha256 of the block's prompt embeddings) followed, on block 0 of a LoRA request, by ``("lora_files", fingerprint of the
 adapter directory)``: vLLM keys an adapter by name and path, so an adapter rewritten at
 the same path would otherwise restore KV computed with the old one.
 

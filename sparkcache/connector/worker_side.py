@@ -413,9 +413,10 @@ class WorkerSide:
         its pages are copied a slot's worth at a time (the first at once: by the copier thread
         from an accelerator, here from the CPU; the rest by the publisher as the store writes
         the ones before) and it reports the request in ``finished_sending`` once the last is
-        copied (vLLM holds its blocks until then). A hybrid plan (one with a boundary object) waits for this step's forward, which
-        writes its state, and is copied whole right after it (``capture_after_forward``):
-        vLLM may hand those blocks to another request at the next step."""
+        copied (vLLM holds its blocks until then). A hybrid plan (one with a boundary object)
+        waits for this step's forward, which writes its state, and is copied whole right after
+        it (``capture_after_forward``): vLLM may hand those blocks to another request at the
+        next step."""
         if plan.state_block_ids is not None:
             self.after_forward.append(plan)
             return
