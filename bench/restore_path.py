@@ -38,7 +38,8 @@ Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
   blocks and verified there), checked block by block (XXH3-128 of each restored block against
   the captured one's).
 
-The restore's destination is the captured blocks themselves, zeroed first, in the order
+The restore's destination is the captured blocks themselves, zeroed first (then the raw read
+runs, then the load: both after the same zeroing), in the order
 ``--dest-order`` gives (ascending, descending or shuffled: vLLM hands out both after churn),
 so one KV cache of the prompt's size is enough. With ``--cold`` the objects are evicted from
 the page cache before each timed part that reads them. Medians in the JSON, with the bytes
@@ -218,10 +219,9 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
         reference = _block_hashes(worker, list(range(blocks)))
         times: dict[str, list[float]] = {"raw_read": [], "verify": [], "place": [], "load": []}
         for _ in range(reps):
-            times["raw_read"].append(read_rate(paths, cold=cold)["seconds"])
+            plan = LoadPlan("r", keys, 0, [dest], sync=True, stored=stored)
             if cold:
                 evict(paths)
-            plan = LoadPlan("r", keys, 0, [dest], sync=True, stored=stored)
             t = time.perf_counter()
             pages = worker.store.objects.read_many_verified(list(stored.pages),
                                                             parallel=worker.read_in_parallel)
@@ -232,6 +232,9 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
             del pages
             for kv in worker.kv.values():
                 kv[:blocks] = 0
+            # the raw read and the load one after the other, in the same state (the zeroing's
+            # OpenMP threads spinning down beside the first, not the second)
+            times["raw_read"].append(read_rate(paths, cold=cold)["seconds"])
             if cold:
                 evict(paths)
             t = time.perf_counter()

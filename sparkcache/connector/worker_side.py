@@ -345,16 +345,28 @@ class WorkerSide:
 
         runs = [(view.block_bytes, view.blocks.stride(0), plan.block_ids[g], memory) for g, view, memory in layers]
 
-        def views_of(k: int) -> list[memoryview]:  # page k's bytes, layer after layer, block after block
+        def views_of(k: int) -> list[memoryview]:
+            """Page k's bytes, layer after layer, block after block; blocks adjacent in memory
+            (consecutive ids of a layer whose blocks are packed) as one view, so each read
+            and its hashing cover as much as they can."""
             first, nblk = spans[k]
-            views = []
+            views: list[memoryview] = []
             for size, step, ids, memory in runs:
+                lo = hi = -1  # the run of adjacent destination bytes not yet in ``views``
                 for b in range(first, first + nblk):
-                    if start <= b < end:
-                        at = ids[b - start] * step
-                        views.append(memory[at:at + size])
-                    else:  # a block this restore does not place: read aside, verified with the rest
+                    at = ids[b - start] * step if start <= b < end else -1
+                    if at >= 0 and at == hi:
+                        hi += size
+                        continue
+                    if hi > lo:
+                        views.append(memory[lo:hi])
+                    if at < 0:  # a block this restore does not place: read aside, verified with the rest
                         views.append(memoryview(bytearray(size)))
+                        lo = hi = -1
+                    else:
+                        lo, hi = at, at + size
+                if hi > lo:
+                    views.append(memory[lo:hi])
             return views
 
         self.store.read_pages_into(stored.pages, views_of)

@@ -14,7 +14,7 @@ engine"). So:
   leaves none (one core; a worker vLLM did not pin, as on GPUs; no worker at all);
 - ``run_as_publisher``: the same, at a lower priority, for publication's threads;
 - ``run_on_every_allowed_cpu``: a restore's readers (the model waits for them) run on every
-  CPU the cpuset allows.
+  CPU the cpuset allows; ``held_to`` keeps one of them on one CPU while it reads its share.
 
 Each changes only the calling thread's affinity (Linux; elsewhere nothing happens).
 """
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 _model_cpus: frozenset[int] = frozenset()
 
@@ -70,6 +72,30 @@ def run_on_every_allowed_cpu() -> None:
         _widen()
     except (OSError, AttributeError):
         pass  # no such call, or an empty intersection: the inherited mask stays
+
+
+def own_cpus() -> frozenset[int]:
+    """The CPUs the calling thread may run on (empty where the system does not say)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return frozenset()
+
+
+@contextmanager
+def held_to(cpu: int) -> Iterator[None]:
+    """Keep the calling thread on ``cpu`` inside the block, then give it back the CPUs it had
+    (where the system cannot pin, or ``cpu`` is no longer allowed, the thread stays as it is)."""
+    before = own_cpus()
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 PUBLISH_NICE = 10  # publication yields to vLLM's other processes on the CPUs left to it

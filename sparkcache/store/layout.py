@@ -366,15 +366,45 @@ os.register_at_fork(after_in_child=_forget_pools_in_child)
 def _executor(pool: str):
     """The pool's executor; a new one when the model's CPUs were noted after its threads
     were placed (the old one's threads finish their work and exit)."""
-    placed, executor = _POOLS.get(pool, (None, None))
+    return _pool(pool)[0]
+
+
+def _pool(pool: str) -> tuple:
+    """``(executor, the CPUs its threads run on)``, made anew as ``_executor`` says."""
+    placed, executor, where = _POOLS.get(pool, (None, None, ()))
     if executor is None or placed != cpus.model_cpus():
         from concurrent.futures import ThreadPoolExecutor
         if executor is not None:
             executor.shutdown(wait=False)
         executor = ThreadPoolExecutor(max_workers=_POOL_SIZES[pool], thread_name_prefix=f"sparkcache-{pool}",
                                       initializer=_POOL_PLACEMENT[pool])
-        _POOLS[pool] = (cpus.model_cpus(), executor)
-    return executor
+        where = tuple(sorted(executor.submit(cpus.own_cpus).result()))
+        _POOLS[pool] = (cpus.model_cpus(), executor, where)
+    return executor, where
+
+
+def pool_cpus(pool: str = "io") -> tuple[int, ...]:
+    """The CPUs the pool's threads may run on (empty where the system does not say)."""
+    return _pool(pool)[1]
+
+
+def per_cpu_map(fn, items: list, pool: str = "io") -> list:
+    """``[fn(x) for x in items]`` with item k on a thread of the pool held to the k-th of
+    ``pool_cpus`` for the call (``cpus.held_to``), so that every CPU works from the first
+    moment: left to the kernel, threads woken after an idle spell started on the waker's
+    CPU and shared it (docs/RESULTS.md, "A page reader per CPU"). At most one item per
+    CPU; where the system names none, as ``parallel_map``."""
+    where = pool_cpus(pool)
+    if len(items) > max(1, len(where)):
+        raise ValueError(f"{len(items)} items for {len(where)} CPUs")
+    if len(items) <= 1 or not where:
+        return parallel_map(fn, items, pool)
+
+    def on_its_cpu(k: int):
+        with cpus.held_to(where[k]):
+            return fn(items[k])
+
+    return list(_executor(pool).map(on_its_cpu, range(len(items))))
 
 
 def parallel_imap(fn, items: list, pool: str = "io"):

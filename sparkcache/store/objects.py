@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import stat
+import threading
 from collections import deque
 from typing import Callable, Sequence
 
@@ -22,8 +23,8 @@ import xxhash
 
 from .manifests import PageRef
 from .reasons import Reason
-from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, open_regular_at,
-                     parallel_map, start_writeback, sync_all, write_all)
+from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, open_regular_at, parallel_map,
+                     per_cpu_map, pool_cpus, start_writeback, sync_all, write_all)
 
 
 class ObjectError(Exception):
@@ -103,6 +104,34 @@ class ObjectStore:
         if ref.checksum is None and hasher.hexdigest() != ref.digest:
             raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match their BLAKE3 name")
         _check_checksum(ref, hasher.hexdigest())
+
+    def read_many_verified_into(self, refs: list, views_of: Callable[[int], Sequence[memoryview]]) -> None:
+        """``read_verified_into(refs[i], views_of(i))`` for every page: one run of consecutive
+        pages per CPU, each on a thread held to its CPU (``per_cpu_map``). Reads and hashing
+        release the GIL, so each core reads pages of its own and hashes each read while it is
+        still in its cache (one thread per CPU: more would evict each other's reads before
+        they are hashed; docs/RESULTS.md). Once every run has ended, raises the error of the
+        first page in ``refs`` order that had one."""
+        readers = max(1, min(len(refs), len(pool_cpus("io"))))
+        runs = [range(len(refs) * k // readers, len(refs) * (k + 1) // readers) for k in range(readers)]
+
+        present = threading.Barrier(readers)
+
+        def read_run(run: range) -> None:
+            try:
+                for i in run:
+                    self.check_present(refs[i].digest, refs[i].size)
+            except ObjectError:
+                present.abort()  # the other runs stop before they write anything
+                raise
+            try:
+                present.wait()
+            except threading.BrokenBarrierError:
+                return  # another run found an object gone: its error is raised
+            for i in run:
+                self.read_verified_into(refs[i], views_of(i))
+
+        _each_in_parallel(read_run, runs, mapper=per_cpu_map)
 
     def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:
         """``read_verified`` without keeping the bytes: hashed (BLAKE3, against the name) a
@@ -258,19 +287,20 @@ class ObjectStore:
 _SERIAL_CHECK_PAGES = 8  # check_many_present: up to this many pages on the calling thread
 
 
-def _each_in_parallel(fn, refs: list, *, parallel: bool = True) -> list:
-    """``[fn(ref) for ref in refs]`` on the io pool (or, without ``parallel``, on this
-    thread); raises the first ``ObjectError`` in ``refs`` order (every call has finished
-    by then)."""
-    def call(ref):
+def _each_in_parallel(fn, items: list, *, parallel: bool = True, mapper=parallel_map) -> list:
+    """``[fn(item) for item in items]`` through ``mapper`` on the io pool (or, without
+    ``parallel``, on this thread). Every call ends before anything is raised (so no thread
+    still writes into a caller's buffers after it has been told of a failure); then the
+    first failure in ``items`` order is raised."""
+    def call(item):
         try:
-            return fn(ref)
-        except ObjectError as exc:
+            return fn(item)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every call has ended
             return exc
 
-    results = parallel_map(call, refs) if parallel else [call(ref) for ref in refs]
+    results = mapper(call, items) if parallel else [call(item) for item in items]
     for item in results:
-        if isinstance(item, ObjectError):
+        if isinstance(item, Exception):
             raise item
     return results
 

@@ -354,9 +354,7 @@ class PageStore:
         Every object is checked present first, so an entry evicted before the restore writes
         nothing; an ``ObjectError`` while reading (one evicted during it included) leaves
         unverified bytes in the buffers, which the caller must not use."""
-        self.objects.check_many_present(list(refs))
-        for i, ref in enumerate(refs):
-            self.objects.read_verified_into(ref, views_of(i))
+        self.objects.read_many_verified_into(list(refs), views_of)
 
     def discard_corrupt(self, digest: str, size: int) -> bool:
         """Remove a page object found corrupt, so that the next publication of its prefix writes

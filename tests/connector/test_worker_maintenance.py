@@ -262,7 +262,7 @@ def test_publication_and_maintenance_run_off_the_cpus_vllm_pinned_the_worker_to(
         assert _cpus_of(threads["sparkcache-maintenance"]) == rest
         # the pools placed since this worker noted its model CPUs (a pool from an earlier
         # test is replaced when next used)
-        current = {pool: executor._threads for pool, (noted, executor) in layout._POOLS.items()
+        current = {pool: executor._threads for pool, (noted, executor, _) in layout._POOLS.items()
                    if noted == frozenset(model)}
         assert current["publish"], "the publication hashed on its pool"
         placed = {pool: {t.name: _cpus_of(t) for t in threads} for pool, threads in current.items()}

@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparkcache.store import ObjectError, Reason
+from sparkcache.store.cpus import held_to
+from sparkcache.store.layout import parallel_map, pool_cpus
 from store_helpers import IDENT, conv_keys, flip_bit, open_store
 
 _DIR = tempfile.TemporaryDirectory(prefix="sc-read-into-")
@@ -72,16 +75,93 @@ def test_a_flipped_byte_is_refused(tmp_path, recorded):
     assert err.value.reason is Reason.CORRUPT
 
 
-def test_an_object_gone_writes_nothing_and_sizes_must_add_up(tmp_path):
+@pytest.mark.parametrize("bad", [[4], [1, 4], [5, 0]], ids=["one", "two", "first-and-last"])
+def test_pages_read_on_parallel_threads_raise_the_first_bad_one(tmp_path, bad):
+    """Runs of pages are read on one thread per CPU; every good page is still verified and
+    the error raised is the first bad page's, in page order."""
     store = open_store(tmp_path / "s", page_blocks=1)
-    pages = [os.urandom(4096), os.urandom(4096)]
-    assert store.publish(IDENT, conv_keys(1, 2), pages).ok
-    refs = store.lookup(IDENT, conv_keys(1, 2)).handle.pages
-    os.unlink(store.objects.path(refs[1].digest))
-    views = [[memoryview(bytearray(4096))], [memoryview(bytearray(4096))]]
+    pages = [os.urandom(300_000 + i) for i in range(6)]
+    assert store.publish(IDENT, conv_keys(1, 6), pages).ok
+    refs = store.lookup(IDENT, conv_keys(1, 6)).handle.pages
+    views = [[memoryview(bytearray(len(p)))] for p in pages]
+    store.read_pages_into(refs, lambda i: views[i])  # the control
+    assert [bytes(v[0]) for v in views] == pages
+    for i in bad:
+        flip_bit(store.objects.path(refs[i].digest), 1234)
     with pytest.raises(ObjectError) as err:
         store.read_pages_into(refs, lambda i: views[i])
-    assert err.value.reason is Reason.ABSENT
-    assert not any(bytes(views[0][0])), "the first page was read although the second was gone"
+    assert err.value.reason is Reason.CORRUPT and err.value.digest == refs[min(bad)].digest
+
+
+@pytest.mark.parametrize("gone", [0, 2, 5])
+def test_an_object_gone_writes_nothing_and_sizes_must_add_up(tmp_path, gone):
+    """Each reader checks its run of pages present, and none writes before all have: one
+    object gone, wherever it is, leaves every buffer untouched."""
+    store = open_store(tmp_path / "s", page_blocks=1)
+    pages = [os.urandom(4096) for _ in range(6)]
+    assert store.publish(IDENT, conv_keys(1, 6), pages).ok
+    refs = store.lookup(IDENT, conv_keys(1, 6)).handle.pages
+    os.unlink(store.objects.path(refs[gone].digest))
+    views = [[memoryview(bytearray(4096))] for _ in pages]
+    with pytest.raises(ObjectError) as err:
+        store.read_pages_into(refs, lambda i: views[i])
+    assert err.value.reason is Reason.ABSENT and err.value.digest == refs[gone].digest
+    assert not any(any(bytes(v[0])) for v in views), "a page was read although another was gone"
     with pytest.raises(ValueError, match="views of 4095 bytes for an object of 4096"):
-        store.read_pages_into(refs[:1], lambda i: [memoryview(bytearray(4095))])
+        store.read_pages_into([refs[gone - 1]], lambda i: [memoryview(bytearray(4095))])
+
+
+def _published(tmp_path, n: int) -> tuple:
+    store = open_store(tmp_path / "s", page_blocks=1)
+    pages = [os.urandom(65536) for _ in range(n)]
+    assert store.publish(IDENT, conv_keys(1, n), pages).ok
+    return store, pages, store.lookup(IDENT, conv_keys(1, n)).handle.pages
+
+
+def test_each_run_of_pages_is_read_on_a_thread_held_to_a_cpu_of_its_own(tmp_path):
+    """Left to the kernel, the readers woken after an idle spell started on one CPU and shared
+    it for the whole restore; each is held to its own, and given its CPUs back after."""
+    where = pool_cpus("io")
+    assert len(where) >= 2, f"this test needs 2 CPUs; the io pool runs on {where}"
+    store, pages, refs = _published(tmp_path, 4 * len(where))
+    seen: dict[int, set] = {}
+
+    def views_of(i: int) -> list[memoryview]:
+        seen[i] = os.sched_getaffinity(0)
+        return [memoryview(bytearray(len(pages[i])))]
+
+    store.read_pages_into(refs, views_of)
+    assert [seen[i] for i in range(len(refs))] == [{cpu} for cpu in where for _ in range(4)]
+    after = parallel_map(lambda _: (time.sleep(0.01), os.sched_getaffinity(0))[1], list(range(32)))
+    assert after == [set(where)] * 32, "a pool thread kept the CPU it was held to"
+
+
+def test_every_run_has_ended_before_an_error_is_raised(tmp_path):
+    """A failure in one run (here the caller's own, not a refused object) is raised only once
+    the other runs have stopped writing into the caller's buffers: vLLM recomputes those
+    blocks as soon as it hears of the failure."""
+    where = pool_cpus("io")
+    assert len(where) >= 2, f"this test needs 2 CPUs; the io pool runs on {where}"
+    store, pages, refs = _published(tmp_path, len(where))
+    views = [[memoryview(bytearray(len(p)))] for p in pages]
+
+    def views_of(i: int) -> list[memoryview]:
+        if i == 0:
+            raise RuntimeError("the caller's own failure")
+        time.sleep(0.3)  # the last runs are still reading when the first fails
+        return views[i]
+
+    with pytest.raises(RuntimeError, match="the caller's own failure"):
+        store.read_pages_into(refs, views_of)
+    assert [bytes(v[0]) for v in views[1:]] == pages[1:]
+
+
+def test_held_to_keeps_the_thread_on_one_cpu_and_gives_its_cpus_back():
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    with held_to(cpu):
+        assert os.sched_getaffinity(0) == {cpu}
+    assert os.sched_getaffinity(0) == before
+    with held_to(4096):  # no such CPU: the thread stays where it may run
+        assert os.sched_getaffinity(0) == before
+    assert os.sched_getaffinity(0) == before
