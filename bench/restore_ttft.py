@@ -1,7 +1,7 @@
 """Time to first token after an engine restart: recompute vs sparkcache vs vLLM's ExampleConnector.
 
     python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3] [--prompts 4]
-        [--recompute-reps 1] [--kv-cache-gib 1] [--cold]
+        [--recompute-reps 1] [--kv-cache-gib 1] [--cold | --warm]
     python -m bench.restore_ttft --out bench-out/restore_curve.json --prompt-tokens 2048,8192,32768,65536 \
         [--recompute-max-tokens 8192] ...
 
@@ -54,7 +54,9 @@ files out of it (``POSIX_FADV_DONTNEED``) right before each timed request; the f
 stored files' pages in the page cache just before each request is measured (``mincore``) and
 kept. Every life gets a KV cache of ``--kv-cache-gib`` (vLLM's ``kv_cache_memory_bytes``): by
 default vLLM's CPU backend takes ~90% of the machine's memory for it, which pushes the stored
-files out of the page cache at random, in either arm.
+files out of the page cache at random, in either arm. ``--warm`` reads the arm's stored files
+once right before each timed request instead, so both read from the page cache, as the raw read
+of the same files (``restore_rate.raw_read``) does.
 ``--model hybrid`` runs ``testing.tinymodel.BENCH_HYBRID`` (NemotronH: 4 Mamba2 and 4
 attention layers, hidden 1024, fp32; 8 KiB of KV per token, like ``BENCH``, plus 4.2 MiB of
 recurrent state per entry) with ``mamba_cache_mode="align"``, the block size vLLM picks and prefill
@@ -261,6 +263,8 @@ def _engine_life(cfg: dict) -> dict:
     for prompt in cfg["prompts"]:  # one at a time: each TTFT is its own request's alone
         if cfg.get("cold"):
             evict(stored)
+        elif cfg.get("warm"):
+            read_rate(stored, cold=False)  # every stored page in the page cache, as for the raw read
         resident = resident_fraction(stored)
         t = time.monotonic()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
@@ -351,7 +355,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     reusable = (prompt_tokens - 1) // shape.block_size * shape.block_size
     base = {"model": model, "dtype": dtype, "prompts": prompts, "warmup": warmup, "shape": asdict(shape),
             "check_tokens": args.check_tokens, "max_model_len": max_model_len,
-            "cold": args.cold, "kv_cache_bytes": kv_cache_bytes}
+            "cold": args.cold, "warm": args.warm, "kv_cache_bytes": kv_cache_bytes}
     work = Path(tempfile.mkdtemp(prefix="restore_ttft-", dir=args.work_dir))
     timed: list[Timed] = []
     startups: dict[str, list[float]] = {arm: [] for arm in timed_arms}
@@ -447,7 +451,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     restore_rate = {"restores": restored["count"], "bytes": restored["bytes"], "seconds": restored["seconds"],
                     "gb_per_s": rate, "raw_read": raw,
                     "of_raw_read": rate / raw["gb_per_s"] if raw["gb_per_s"] > 0 else None}
-    targets["sparkcache_restore_rate_at_least_70pct_of_raw_read"] = (restore_rate["of_raw_read"] or 0) >= 0.7
+    targets["sparkcache_restore_rate_at_least_90pct_of_raw_read"] = (restore_rate["of_raw_read"] or 0) >= 0.9  # issue 41
     targets["capturing_life_median_worker_step_at_most_1ms"] = (capture_steps["median_at_most_s"] or 0) <= 0.001
     result = {
         "bench": "restore_ttft",
@@ -465,9 +469,10 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
         "restore_rate": restore_rate,
         "capturing_life_worker_steps": capture_steps,
         "ratios": ratios, "outputs": outputs, "targets": targets,
-        "page_cache": ("cold (the arm's stored files evicted before each timed request)"
-                       if args.cold else "warm (the stored files were written by the previous life on "
-                       "this machine; resident_fraction_range says how much stayed)"),
+        "page_cache": ("cold (the arm's stored files evicted before each timed request)" if args.cold
+                       else "warm (the arm's stored files read once before each timed request)" if args.warm
+                       else "as left (the stored files were written by the previous life on this machine; "
+                       "resident_fraction_range says how much stayed)"),
         "kv_cache_bytes": kv_cache_bytes,
         "cpu_count": os.cpu_count(),
     }
@@ -527,7 +532,7 @@ def plot(result: dict, png: Path) -> Path | None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     ax3.set_yscale("log")
-    cache = "cold" if result["points"][0]["page_cache"].startswith("cold") else "warm"
+    cache = result["points"][0]["page_cache"].split(" (")[0]
     fig.suptitle(f"restore at conversation scale ({cache} page cache)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -600,8 +605,12 @@ def parser() -> argparse.ArgumentParser:
     a("--keep", action="store_true", help="keep the stores after the run")
     a("--kv-cache-gib", type=float, default=1.0, help="KV cache of every engine life, GiB (default 1; vLLM's "
       "CPU default, ~90%% of memory, evicts the stored files from the page cache at random)")
-    a("--cold", action="store_true", help="take the arm's stored files out of the page cache right before "
-      "each timed request, so both connectors read the stored KV from disk")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--cold", action="store_true", help="take the arm's stored files out of the page cache "
+                       "right before each timed request, so both connectors read the stored KV from disk")
+    cache.add_argument("--warm", action="store_true", help="read the arm's stored files once right before each "
+                       "timed request, so both connectors read the stored KV from the page cache, as the "
+                       "raw read it is compared with does (default: as the previous life left them)")
     a("--engine-life", default=None, help=argparse.SUPPRESS)
     return p
 

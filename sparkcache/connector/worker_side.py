@@ -143,6 +143,8 @@ class WorkerSide:
             self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_as_publisher)
             self._copier.submit(int)  # its thread starts now, not in the first capture's step
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
+        if store is not None:
+            store.start_readers()  # after the model's CPUs are noted: the io pool is placed by them
 
     def take_observations(self) -> dict[str, list[float]]:
         """Histogram samples since the last call (restores, publications, maintenance passes)."""

@@ -133,6 +133,11 @@ class ObjectStore:
 
         _each_in_parallel(read_run, runs, mapper=per_cpu_map)
 
+    def start_readers(self) -> None:
+        """Start the threads ``read_many_verified_into`` reads on (one per CPU) now, so the
+        first restore does not pay for their start."""
+        per_cpu_map(int, [0] * len(pool_cpus("io")))
+
     def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:
         """``read_verified`` without keeping the bytes: hashed (BLAKE3, against the name) a
         chunk at a time, so a page of any recorded size (a sparse file of 64 GiB included)

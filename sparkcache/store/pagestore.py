@@ -356,6 +356,10 @@ class PageStore:
         unverified bytes in the buffers, which the caller must not use."""
         self.objects.read_many_verified_into(list(refs), views_of)
 
+    def start_readers(self) -> None:
+        """Start the threads restores read on now (``ObjectStore.start_readers``)."""
+        self.objects.start_readers()
+
     def discard_corrupt(self, digest: str, size: int) -> bool:
         """Remove a page object found corrupt, so that the next publication of its prefix writes
         it anew; False when it is no longer there or no longer corrupt."""
