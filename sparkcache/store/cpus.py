@@ -95,7 +95,10 @@ def held_to(cpu: int) -> Iterator[None]:
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        try:
+            os.sched_setaffinity(0, before or range(os.cpu_count() or 1))
+        except OSError:
+            run_on_every_allowed_cpu()  # a CPU it had went offline meanwhile
 
 
 PUBLISH_NICE = 10  # publication yields to vLLM's other processes on the CPUs left to it

@@ -121,8 +121,8 @@ class ObjectStore:
             try:
                 for i in run:
                     self.check_present(refs[i].digest, refs[i].size)
-            except ObjectError:
-                present.abort()  # the other runs stop before they write anything
+            except BaseException:
+                present.abort()  # whatever it is, the other runs stop before they write anything
                 raise
             try:
                 present.wait()

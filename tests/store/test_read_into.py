@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import threading
 import time
 
 import pytest
@@ -154,6 +155,31 @@ def test_every_run_has_ended_before_an_error_is_raised(tmp_path):
     with pytest.raises(RuntimeError, match="the caller's own failure"):
         store.read_pages_into(refs, views_of)
     assert [bytes(v[0]) for v in views[1:]] == pages[1:]
+
+
+def test_an_unforeseen_error_while_checking_stops_every_run_instead_of_hanging(tmp_path):
+    """The runs wait for each other before they write; one that fails in its check with
+    anything at all (here a ref whose size is no number) releases the others, which write
+    nothing, and its error is raised: the model's thread never waits forever."""
+    where = pool_cpus("io")
+    assert len(where) >= 2, f"this test needs 2 CPUs; the io pool runs on {where}"
+    store, pages, refs = _published(tmp_path, 2 * len(where))
+    refs = [*refs[:-1], dataclasses.replace(refs[-1], size=None)]
+    views = [[memoryview(bytearray(len(p)))] for p in pages]
+    raised: list[BaseException] = []
+
+    def restore() -> None:
+        try:
+            store.read_pages_into(refs, lambda i: views[i])
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            raised.append(exc)
+
+    reader = threading.Thread(target=restore, daemon=True)
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive(), "the restore hangs: a run waits for one that failed"
+    assert [type(e) for e in raised] == [TypeError]
+    assert not any(any(bytes(v[0])) for v in views), "a run wrote although another had failed"
 
 
 def test_held_to_keeps_the_thread_on_one_cpu_and_gives_its_cpus_back():
