@@ -258,7 +258,10 @@ def _engine_life(cfg: dict) -> dict:
                                "disable_log_stats=False (vLLM fills it only when it logs stats)")
         return ttft_s
 
-    stored = files_under(cfg["root"]) if cfg["arm"] != "recompute" else []
+    # the arm's stored KV: not sparkcache's journal, which the running store appends to (its
+    # last page can be dirty at any moment, and no eviction takes it out of the page cache)
+    stored = ([p for p in files_under(cfg["root"]) if f"{os.sep}journal{os.sep}" not in p]
+              if cfg["arm"] != "recompute" else [])
     requests = []
     for prompt in cfg["prompts"]:  # one at a time: each TTFT is its own request's alone
         if cfg.get("cold"):
