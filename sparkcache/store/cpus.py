@@ -34,11 +34,7 @@ def note_model_cpus(omp_bind: str = "") -> frozenset[int]:
     every core ``omp_bind`` (``VLLM_CPU_OMP_THREADS_BIND``) gives any tensor-parallel rank,
     so one rank's background work does not land on another rank's model cores."""
     global _model_cpus
-    try:
-        own = frozenset(os.sched_getaffinity(0))
-    except (OSError, AttributeError):
-        own = frozenset()
-    _model_cpus = own | omp_bound_cpus(omp_bind)
+    _model_cpus = own_cpus() | omp_bound_cpus(omp_bind)
     return _model_cpus
 
 

@@ -394,7 +394,7 @@ def per_cpu_map(fn, items: list, pool: str = "io") -> list:
     moment: left to the kernel, threads woken after an idle spell started on the waker's
     CPU and shared it (docs/RESULTS.md, "A page reader per CPU"). At most one item per
     CPU; where the system names none, as ``parallel_map``."""
-    where = pool_cpus(pool)
+    executor, where = _pool(pool)
     if len(items) > max(1, len(where)):
         raise ValueError(f"{len(items)} items for {len(where)} CPUs")
     if len(items) <= 1 or not where:
@@ -404,7 +404,7 @@ def per_cpu_map(fn, items: list, pool: str = "io") -> list:
         with cpus.held_to(where[k]):
             return fn(items[k])
 
-    return list(_executor(pool).map(on_its_cpu, range(len(items))))
+    return list(executor.map(on_its_cpu, range(len(items))))
 
 
 def parallel_imap(fn, items: list, pool: str = "io"):
