@@ -12,18 +12,23 @@ each is rebuilt here with ``torch.as_strided`` over an allocation on ``--device`
 - **A, layouts**: for each case (the four dense stride orders and the two strided ones, kernel
   blocks 1 and 4 per block, attention only and with a recurrent state group), 20 blocks are
   captured from shuffled ids (``kv_copy.gather``, on CUDA after a ``copy_marker`` on the side
-  stream), placed into other ids in descending order in a second allocation of other random
-  bytes (``kv_copy.place``, ``place_parts`` for the state), and every manager block compared
+  stream), restored into other ids in descending order in a second allocation of other random
+  bytes through the worker's ring (``restore_ring``: each page, then the state, into a host
+  slot, then ``kv_copy.place`` / ``place_parts``; on CUDA from pinned slots over the ring's load
+  stream, the current stream ordered after it), and every manager block compared
   byte for byte (regrouped as vLLM's ``group_kernel_blocks`` does), and no byte outside them
   changed.
 - **B, stall** (CUDA only): with ``STALL_SECONDS`` of ``torch.cuda._sleep`` queued on the compute stream,
   how long the model thread is held by a capture (recording its marker and handing the copy to
-  another thread, as ``WorkerSide.capture`` does) and by a restore (``kv_copy.place`` of one
-  page): the target is under 1 ms each.
+  another thread, as ``WorkerSide.capture`` does) and by a synchronous restore of one page
+  through the ring (read into a pinned slot, its copies queued on the load stream, the model's
+  stream ordered after them): the target is under 1 ms each.
 - **C, throughput**: one rank of a 70B-class GQA model at tensor parallel 4 (80 layers, 2 KV
   heads of 128, bf16, 16-token blocks) at ``--tokens``: a capture (``gather`` into a host buffer,
-  pinned on CUDA) and a restore (``place`` of those pages) against a raw device-to-host and
-  host-to-device copy of the same bytes (pinned on CUDA), as GB/s and ratios.
+  pinned on CUDA), a placement (``place`` of those pages from it) and a restore through the
+  ring (each page copied into a slot by 4 reader threads, standing in for the reads from the
+  page cache, then placed from it) against a raw device-to-host and host-to-device copy of the
+  same bytes (pinned on CUDA), as GB/s and ratios.
 
 Writes the JSON (``--out``) and prints a line per part. On a CPU (``--device cpu``, what the
 test suite runs) B is skipped as not applicable and C runs on host memory.
@@ -37,11 +42,13 @@ import random
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from sparkcache.connector import kv_copy
+from sparkcache.connector import kv_copy, restore_ring
+from sparkcache.store.layout import done_now
 
 CAPTURED = 20
 PAGE_BLOCKS = 8
@@ -95,12 +102,18 @@ def layout_case(desc: dict, device: torch.device) -> dict:
     before = dst_raw.clone()
     layers = [(sv[n], src_ids) for n in pages]
     got = kv_copy.gather(layers, PAGE_BLOCKS, after=kv_copy.copy_marker(layers))
-    for k, page in enumerate(got):
+    objects = got + ([kv_copy.gather_parts([[(sv[n], [src_state]) for n in states]])] if states else [])
+
+    def place(k: int, obj: torch.Tensor) -> int:
+        if k == len(got):  # the state, after every page
+            return kv_copy.place_parts([([(dv[n], [dst_state]) for n in states], 1, 0)], obj)
         ids = dst_ids[k * PAGE_BLOCKS:(k + 1) * PAGE_BLOCKS]
-        kv_copy.place([(dv[n], ids) for n in pages], page, len(ids))
-    if states:
-        obj = kv_copy.gather_parts([[(sv[n], [src_state]) for n in states]])
-        kv_copy.place_parts([([(dv[n], [dst_state]) for n in states], 1, 0)], obj)
+        return kv_copy.place([(dv[n], ids) for n in pages], obj, len(ids))
+
+    ring = restore_ring.RestoreRing(max(o.nbytes for o in objects), device, slots=2)
+    _, copied = ring.restore([o.nbytes for o in objects], _reader(objects), place, done_now)
+    restore_ring.order_current_stream_after(copied, device)
+    _sync(device)
     pairs = [(n, s, d) for n in pages for s, d in zip(src_ids, dst_ids)]
     pairs += [(n, src_state, dst_state) for n in states]
     wrong = [p for p in pairs if not _blocks(src[p[0]], nb)[p[1]].view(torch.uint8).equal(
@@ -110,6 +123,14 @@ def layout_case(desc: dict, device: torch.device) -> dict:
             "blocks_compared": len(pairs), "blocks_wrong": len(wrong),
             "outside_unchanged": bool(dst_raw[outside].equal(before[outside])),
             "ok": not wrong and bool(dst_raw[outside].equal(before[outside]))}
+
+
+def _reader(objects: list[memoryview]):
+    """A ring's ``read_into`` over objects in memory: what a verified read from the page cache
+    leaves in the slot."""
+    def read_into(k: int, buffer: memoryview) -> None:
+        buffer[:] = objects[k]
+    return read_into
 
 
 def _kv_70b(tokens: int, device: torch.device) -> tuple[dict[str, torch.Tensor], int]:
@@ -143,7 +164,8 @@ def throughput(tokens: int, device: torch.device) -> dict:
         ("capture", lambda: kv_copy.gather([(v, ids) for v in views.values()], 256, host,
                                            after=kv_copy.copy_marker([(v, ids) for v in views.values()]))),
         ("raw_host_to_device", lambda: _raw(flat, host_t, to_host=False)),
-        ("restore", lambda: _place_all(views, host, ids)),
+        ("place", lambda: _place_all(views, host, ids)),
+        ("restore", lambda: _ring_all(views, host, ids, device)),
     ):
         _sync(device)
         t = time.perf_counter()
@@ -152,6 +174,7 @@ def throughput(tokens: int, device: torch.device) -> dict:
         out[name + "_s"] = time.perf_counter() - t
         out[name + "_gb_per_s"] = nbytes / out[name + "_s"] / 1e9
     out["capture_of_raw"] = out["raw_device_to_host_s"] / out["capture_s"]
+    out["place_of_raw"] = out["raw_host_to_device_s"] / out["place_s"]
     out["restore_of_raw"] = out["raw_host_to_device_s"] / out["restore_s"]
     return out
 
@@ -175,12 +198,29 @@ def _place_all(views: dict, host: memoryview, ids: list[int], page_blocks: int =
         kv_copy.place([(v, part) for v in views.values()], page, len(part))
 
 
+def _ring_all(views: dict, host: memoryview, ids: list[int], device: torch.device,
+              page_blocks: int = 256) -> None:
+    per_block = sum(v.block_bytes for v in views.values())
+    starts = range(0, len(ids), page_blocks)
+    pages = [host[k * per_block:min(k + page_blocks, len(ids)) * per_block] for k in starts]
+
+    def place(k: int, obj: torch.Tensor) -> int:
+        part = ids[starts[k]:starts[k] + page_blocks]
+        return kv_copy.place([(v, part) for v in views.values()], obj, len(part))
+
+    ring = restore_ring.RestoreRing(page_blocks * per_block, device)
+    with ThreadPoolExecutor(4) as readers:
+        _, copied = ring.restore([p.nbytes for p in pages], _reader(pages), place, readers.submit)
+    restore_ring.order_current_stream_after(copied, device)
+
+
 def stall(device: torch.device) -> dict:
     """The model thread's time in a capture and a restore call with ``STALL_SECONDS`` of work
     queued ahead of them on the compute stream."""
     caches, blocks = _kv_70b(1024, device)
     views = [(kv_copy.block_view(n, t, blocks + 1), list(range(blocks))) for n, t in caches.items()]
-    page = bytes(blocks * sum(v.block_bytes for v, _ in views))
+    page = memoryview(bytes(blocks * sum(v.block_bytes for v, _ in views)))
+    ring = restore_ring.RestoreRing(page.nbytes, device)  # made before: the worker's is made at its start
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -195,7 +235,9 @@ def stall(device: torch.device) -> dict:
     copier.start()
     capture_s = time.perf_counter() - t
     t = time.perf_counter()
-    kv_copy.place(views, page, blocks)
+    _, copied = ring.restore([page.nbytes], _reader([page]),
+                             lambda k, obj: kv_copy.place(views, obj, blocks), done_now)
+    restore_ring.order_current_stream_after(copied, device)
     restore_s = time.perf_counter() - t
     copier.join()
     torch.cuda.synchronize(device)
@@ -221,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     result["throughput"] = throughput(args.tokens, device)
     c = result["throughput"]
     print(f"C {args.tokens} tokens, {c['bytes'] / 2**30:.2f} GiB: capture {c['capture_gb_per_s']:.2f} GB/s "
-          f"({c['capture_of_raw']:.2f} of raw), restore {c['restore_gb_per_s']:.2f} GB/s "
+          f"({c['capture_of_raw']:.2f} of raw), place {c['place_gb_per_s']:.2f} GB/s "
+          f"({c['place_of_raw']:.2f} of raw), restore through the ring {c['restore_gb_per_s']:.2f} GB/s "
           f"({c['restore_of_raw']:.2f} of raw)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -29,10 +29,10 @@ Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
 - ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``):
   what the disk or page cache gives, no hashing, no placement;
 - ``verify``: the objects read into buffers and verified against their manifests' XXH3-128
-  (``ObjectStore.read_many_verified``), nothing placed: the first half of a restore where the
-  blocks cannot be read into (a device, split kernel blocks);
+  (``ObjectStore.read_many_verified``), nothing placed: the first half of what a restore
+  through the ring (a device, split kernel blocks) does per object, here over the whole entry;
 - ``place``: those verified pages copied into the destination blocks (``kv_copy.place``, the
-  second half of that restore);
+  ring's second half);
 - ``load``: the worker's whole restore (``WorkerSide.load``; on these KV tensors, whose blocks
   are runs in page order as vLLM's CPU backend lays them out, each page read straight into its
   blocks and verified there), checked block by block (XXH3-128 of each restored block against
@@ -227,7 +227,8 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
                                                             parallel=worker.read_in_parallel)
             times["verify"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            worker._place_pages(plan, list(zip(pages, worker._page_spans(plan, stored))))
+            for page, span in zip(pages, worker._page_spans(plan, stored)):
+                worker._place_page(plan, page, span)
             times["place"].append(time.perf_counter() - t)
             del pages
             for kv in worker.kv.values():

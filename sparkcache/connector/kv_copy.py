@@ -241,37 +241,39 @@ def _gather_into(out: torch.Tensor, layers: Sequence[tuple[BlockView, Sequence[i
         before += bb
 
 
-def _source(page: PageBuffer) -> torch.Tensor:
+def _source(page: PageBuffer | torch.Tensor) -> torch.Tensor:
+    """The page as a flat uint8 tensor: a tensor as it is (a ring's slot, a device staging
+    buffer), a buffer through ``frombuffer``."""
+    if isinstance(page, torch.Tensor):
+        return page.view(torch.uint8).reshape(-1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer of a read-only buffer: we only read it
         return torch.frombuffer(page, dtype=torch.uint8)
 
 
-def place(layers: Sequence[tuple[BlockView, Sequence[int]]], page: PageBuffer, page_blocks: int,
-          skip: int = 0) -> int:
+def place(layers: Sequence[tuple[BlockView, Sequence[int]]], page: PageBuffer | torch.Tensor,
+          page_blocks: int, skip: int = 0) -> int:
     """Copy blocks ``skip .. skip + len(ids)`` of each layer of ``page`` (a page of
-    ``page_blocks`` blocks, as ``gather`` lays it out) into blocks ``ids`` of that layer's
-    view, ids in any order: one ``index_copy_`` per layer. Returns the bytes placed."""
-    size = memoryview(page).nbytes
+    ``page_blocks`` blocks, as ``gather`` lays it out; a buffer, or a uint8 tensor on any
+    device) into blocks ``ids`` of that layer's view, ids in any order: one ``index_copy_``
+    per layer. Returns the bytes placed."""
+    src = _source(page)
+    size = src.numel()
     if size != page_bytes(layers, page_blocks):
         raise KVCopyError(f"sparkcache: a page of {size} bytes; {page_blocks} blocks of these "
                           f"{len(layers)} layers are {page_bytes(layers, page_blocks)} bytes")
     if size == 0:
         return 0
-    src = _source(page)
-    staged: dict[torch.device, torch.Tensor] = {}
+    staged: dict[torch.device, torch.Tensor] = {src.device: src}
     offset = placed = 0
     for (view, ids), idx in zip(layers, _indices(layers)):
         bb, m = view.block_bytes, len(ids)
         if skip + m > page_blocks:
             raise KVCopyError(f"sparkcache: blocks {skip}..{skip + m - 1} of a page of "
                               f"{page_blocks} blocks")
-        if view.device.type == "cpu":
-            part = src
-        else:  # the whole page goes over once, then each layer is indexed from it
-            part = staged.get(view.device)
-            if part is None:
-                part = staged[view.device] = src.to(view.device)
+        part = staged.get(view.device)  # on another device, the whole page goes over once
+        if part is None:
+            part = staged[view.device] = src.to(view.device)
         part = part[offset + skip * bb:offset + (skip + m) * bb]
         offset += page_blocks * bb
         if m == 0:
@@ -302,14 +304,15 @@ def gather_parts(parts: Sequence[Sequence[tuple[BlockView, Sequence[int]]]],
 
 
 def place_parts(parts: Sequence[tuple[Sequence[tuple[BlockView, Sequence[int]]], int, int]],
-                obj: PageBuffer) -> int:
-    """Place an object ``gather_parts`` made. Each part: its layers with destination ids, the
-    blocks it holds and the first of them to place (``place``'s ``skip``: the ids are the
-    part's last ones). Returns the bytes placed; an object of another size places nothing."""
-    buf = memoryview(obj).cast("B")
+                obj: PageBuffer | torch.Tensor) -> int:
+    """Place an object ``gather_parts`` made (a buffer, or a uint8 tensor on any device). Each
+    part: its layers with destination ids, the blocks it holds and the first of them to place
+    (``place``'s ``skip``: the ids are the part's last ones). Returns the bytes placed; an
+    object of another size places nothing."""
+    buf = _source(obj)
     sizes = [page_bytes(layers, blocks) for layers, blocks, _ in parts]
-    if sum(sizes) != buf.nbytes:
-        raise KVCopyError(f"sparkcache: an object of {buf.nbytes} bytes; its parts are {sizes} bytes")
+    if sum(sizes) != buf.numel():
+        raise KVCopyError(f"sparkcache: an object of {buf.numel()} bytes; its parts are {sizes} bytes")
     offset = placed = 0
     for (layers, blocks, skip), size in zip(parts, sizes):
         placed += place(layers, buf[offset:offset + size], blocks, skip)

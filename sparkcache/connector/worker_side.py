@@ -13,8 +13,13 @@ refused restore, never a signal), and verify each against the XXH3-128 its manif
 Where the KV cache is in host memory and each block's bytes are one run in page order (vLLM's
 CPU backend), a page is read straight into its destination blocks and verified there, so the
 read is the placement (``ObjectStore.read_verified_into``), every page object checked present
-first; elsewhere every page is read and verified into a buffer before any is placed. A refused restore (corrupt, absent, unreadable) reports all of its destination
-blocks: an asynchronous load's request in ``finished_recving`` and ``failed_recving``, a
+first; elsewhere (an accelerator; blocks vLLM splits into kernel blocks) each object goes
+through a ring of host buffers (``restore_ring``: read and verified into a slot, then placed,
+at most the ring's slots in host memory at once; on CUDA page-locked and copied on a load
+stream, a synchronous load ordering the forward after it, an asynchronous one read on a loader
+thread and reported once its copies are done), the objects checked present first. A refused
+restore (corrupt, absent, unreadable) reports all of its destination blocks: an asynchronous
+load's request in ``finished_recving`` and ``failed_recving``, a
 synchronous one's (``plan.sync``: placed before this step's forward) blocks as invalid
 (``get_block_ids_with_load_errors``) and the request in the worker meta (``sync_failed``);
 with ``kv_load_failure_policy="recompute"`` vLLM recomputes every one of those blocks, so what
@@ -45,11 +50,12 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from sparkcache.metrics import store_gauges
 from sparkcache.store import cpus
 from sparkcache.store import ObjectError
+from sparkcache.store.layout import done_now, submit
 from sparkcache.store.manifests import pages_needed
 from sparkcache.store.reasons import Reason
 from sparkcache.store.streams import PageSourceError, PageStream
 
-from . import kv_copy
+from . import kv_copy, restore_ring
 from .capture_plans import NULL_BLOCK_ID, CapturePlan
 from .capture_slots import CaptureSlots, CaptureSlotStats
 from .kv_layout import KVLayout, LayoutKind
@@ -65,16 +71,6 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
     from sparkcache.store import Identity, PageStore, PublishResult
 
 logger = logging.getLogger("sparkcache.connector")
-
-
-def _done(work: Callable[[], object]) -> Future:
-    """``work()`` run now, as a finished future (its result, or what it raised)."""
-    future: Future = Future()
-    try:
-        future.set_result(work())
-    except Exception as exc:
-        future.set_exception(exc)
-    return future
 
 
 @dataclass
@@ -113,6 +109,9 @@ class WorkerSide:
         self.read_in_parallel = True  # see register_kv_caches
         self._memory: dict[str, memoryview | None] = {}  # page layers' block memory (register_kv_caches)
         self._into_blocks = False  # restores read pages straight into the blocks
+        self._ring: restore_ring.RestoreRing | None = None  # restores that cannot (register_kv_caches)
+        self._loader: ThreadPoolExecutor | None = None  # asynchronous loads on an accelerator
+        self._loading: list[tuple[LoadPlan, float, Future]] = []  # theirs: plan, start, outcome
         self.finished_sending: set[str] = set()
         self._released: set[str] = set()  # streamed captures copied (publisher thread, under the lock)
         self.finished_recving: set[str] = set()
@@ -187,6 +186,13 @@ class WorkerSide:
         # Blocks in host memory, each a run in page order: restores read pages into them.
         self._memory = {name: kv_copy.block_memory(self.views[name]) for _, name in self._page_layers()}
         self._into_blocks = bool(self._memory) and None not in self._memory.values()
+        pages = [self.views[name] for _, name in self._page_layers()]
+        if self.store is not None and self._usable() and pages and not self._into_blocks:
+            device = pages[0].device
+            self._ring = restore_ring.RestoreRing(self.bpp * sum(v.block_bytes for v in pages), device)
+            if device.type != "cpu" and self._loader is None:
+                self._loader = ThreadPoolExecutor(1, "sparkcache-load",
+                                                  initializer=cpus.run_on_every_allowed_cpu)
 
     @property
     def kv(self) -> dict[str, torch.Tensor]:
@@ -247,12 +253,38 @@ class WorkerSide:
     # ------------------------------------------------------------------ restore
 
     def load(self, plan: LoadPlan) -> None:
-        placed = None
         started = time.monotonic()
+        if not plan.sync and self._loader is not None:
+            # on an accelerator an asynchronous load leaves the model's thread: read and
+            # verified on the loader thread, copied on the ring's stream after the forwards
+            # queued so far, reported by ``take_results`` once its copies are done
+            after = kv_copy.copy_marker([(view, ()) for view in self.views.values()])
+            self._loading.append((plan, started, self._loader.submit(self._load, plan, after)))
+            return
+        placed = None
         try:
             placed = self._load(plan)
         except Exception:
             logger.exception("sparkcache: restore of %s failed", plan.req_id)
+        self._finish_load(plan, started, placed)
+
+    def _poll_loads(self) -> None:
+        """Report the asynchronous loads whose reads and copies are done."""
+        pending = []
+        for plan, started, outcome in self._loading:
+            placed = None
+            if outcome.done():
+                try:
+                    placed = outcome.result()
+                except Exception:
+                    logger.exception("sparkcache: restore of %s failed", plan.req_id)
+            if not outcome.done() or (placed is not None and not restore_ring.copied(placed[2])):
+                pending.append((plan, started, outcome))
+            else:
+                self._finish_load(plan, started, placed)
+        self._loading = pending
+
+    def _finish_load(self, plan: LoadPlan, started: float, placed: tuple[int, int, object] | None) -> None:
         ok = placed is not None
         self.samples.add("restore_seconds", time.monotonic() - started)
         if plan.sync:
@@ -269,10 +301,12 @@ class WorkerSide:
             self._add("restored_state_bytes", placed[1])
             self.samples.add("restore_bytes", placed[0] + placed[1])
 
-    def _load(self, plan: LoadPlan) -> tuple[int, int] | None:
-        """Read, verify and place; returns the (page, state) bytes placed, or None when the
-        restore is refused (``load`` then reports every destination block to vLLM; a state is
-        only placed once every page is verified)."""
+    def _load(self, plan: LoadPlan, after: object | None = None) -> tuple[int, int, object] | None:
+        """Read, verify and place; returns the (page, state) bytes placed and the event after
+        the copies on an accelerator (None: done), or None when the restore is refused
+        (``load`` then reports every destination block to vLLM; a state is only placed once
+        every page is verified). ``after``: the event those copies wait for (None: the
+        calling thread's stream, now)."""
         if not self._usable():
             return None
         stored = self._stored_pages(plan)
@@ -286,14 +320,10 @@ class WorkerSide:
                                "column of its window", plan.req_id)
             return None
         try:
-            if self._into_blocks:
-                state = self.store.read_pages([stored.state], parallel=False)[0] if self.layout.has_state else None
-                placed = self._read_into_blocks(plan, stored, spans)
-            else:
-                wanted = list(stored.pages) + ([stored.state] if self.layout.has_state else [])
-                pages = self.store.read_pages(wanted, parallel=self.read_in_parallel)
-                state = pages.pop() if self.layout.has_state else None
-                placed = self._place_pages(plan, list(zip(pages, spans)))
+            if not self._into_blocks:
+                return self._read_through_ring(plan, stored, spans, boundary, after)
+            state = self.store.read_pages([stored.state], parallel=False)[0] if self.layout.has_state else None
+            placed = self._read_into_blocks(plan, stored, spans)
         except ObjectError as exc:
             logger.warning("sparkcache: restore of %s refused, its blocks recomputed: %s", plan.req_id, exc)
             self._add("lookup_miss_" + exc.reason)
@@ -301,7 +331,32 @@ class WorkerSide:
             return None
         if state is not None:
             kv_copy.place_parts(boundary, state)
-        return placed, len(state) if state is not None else 0
+        return placed, len(state) if state is not None else 0, None
+
+    def _read_through_ring(self, plan: LoadPlan, stored: StoredPages, spans: list[tuple[int, int]],
+                           boundary: list, after: object | None) -> tuple[int, int, object]:
+        """Every page, then the boundary object, through the ring (``restore_ring``), every
+        object checked present first (an entry evicted before the restore places nothing).
+        A synchronous load orders the model's stream after the copies."""
+        assert self._ring is not None
+        refs = [*stored.pages, stored.state] if self.layout.has_state else list(stored.pages)
+        self.store.check_pages_present(refs)
+        state_bytes = 0
+
+        def place(k: int, obj: torch.Tensor) -> int:
+            nonlocal state_bytes
+            if k < len(spans):
+                return self._place_page(plan, obj, spans[k])
+            kv_copy.place_parts(boundary, obj)  # the last: every page verified
+            state_bytes = obj.numel()
+            return 0
+
+        placed, copied = self._ring.restore([ref.size for ref in refs],
+                                            lambda k, buffer: self.store.read_page_into(refs[k], buffer),
+                                            place, submit if self.read_in_parallel else done_now, after)
+        if plan.sync:
+            restore_ring.order_current_stream_after(copied, self._ring.device)
+        return placed, state_bytes, copied
 
     def _page_spans(self, plan: LoadPlan, stored: StoredPages) -> list[tuple[int, int]] | None:
         """``(first block, blocks)`` of each stored page, once every page's recorded size
@@ -375,20 +430,18 @@ class WorkerSide:
         per_block = sum(size for size, _, _, _ in runs)
         return sum(max(0, min(end, first + nblk) - max(start, first)) for first, nblk in spans) * per_block
 
-    def _place_pages(self, plan: LoadPlan, pages: list[tuple[kv_copy.PageBuffer, tuple[int, int]]]) -> int:
-        """Copy verified pages (each with its ``(first block, blocks)``) into the plan's
-        destination blocks [start_block, end), one batched copy per page and layer; returns
-        the bytes placed."""
+    def _place_page(self, plan: LoadPlan, page: kv_copy.PageBuffer | torch.Tensor,
+                    span: tuple[int, int]) -> int:
+        """Copy a verified page (``span``: its first block and blocks) into the plan's
+        destination blocks [start_block, end), one ``index_copy_`` per layer; the bytes placed."""
         start, end = plan.start_block, len(plan.keys)
-        placed = 0
-        for page, (page_first, nblk) in pages:
-            lo, hi = max(start, page_first), min(end, page_first + nblk)
-            if lo >= hi:
-                continue
-            ids = {g: plan.block_ids[g][lo - start:hi - start] for g in self.layout.page_groups}
-            placed += kv_copy.place([(self.views[name], ids[g]) for g, name in self._page_layers()],
-                                    page, nblk, skip=lo - page_first)
-        return placed
+        page_first, nblk = span
+        lo, hi = max(start, page_first), min(end, page_first + nblk)
+        if lo >= hi:
+            return 0
+        ids = {g: plan.block_ids[g][lo - start:hi - start] for g in self.layout.page_groups}
+        return kv_copy.place([(self.views[name], ids[g]) for g, name in self._page_layers()],
+                             page, nblk, skip=lo - page_first)
 
     def _quarantine(self, exc: ObjectError, stored: StoredPages) -> None:
         """A writing worker removes what a restore found corrupt (an object whose bytes are
@@ -481,7 +534,7 @@ class WorkerSide:
                 # forwards (the same copy on another thread slowed the decode of every request
                 # running meanwhile: docs/RESULTS.md, "Report B on the engine")
                 copy = lambda: self._copy_chunk(job, 0, self.slots.buffer(ticket))  # noqa: E731
-                job.first = self._copier.submit(copy) if job.marker is not None else _done(copy)
+                job.first = self._copier.submit(copy) if job.marker is not None else done_now(copy)
             else:
                 buffer = self.slots.buffer(ticket)
                 job.pages = (self._gather_pages(layers, buffer) if layers else  # windows only: no pages
@@ -600,6 +653,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ results
 
     def take_results(self) -> tuple[set[str], set[str], set[str]]:
+        self._poll_loads()
         with self._counters_lock:
             self.finished_sending |= self._released
             self._released = set()
@@ -654,6 +708,8 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self.slots is not None:
             self.slots.close()
             self._copier.shutdown(wait=True)

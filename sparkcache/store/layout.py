@@ -26,6 +26,7 @@ import errno
 import os
 import re
 import stat
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -405,6 +406,22 @@ def per_cpu_map(fn, items: list, pool: str = "io") -> list:
             return fn(items[k])
 
     return list(executor.map(on_its_cpu, range(len(items))))
+
+
+def submit(fn, *args, pool: str = "io") -> Future:
+    """``fn(*args)`` on a thread of the pool; its future."""
+    return _executor(pool).submit(fn, *args)
+
+
+def done_now(fn, *args) -> Future:
+    """``fn(*args)`` run on this thread, as a finished future (what it returned or raised):
+    ``submit``'s stand-in where the work must not leave the calling thread."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:  # raised where the result is taken
+        future.set_exception(exc)
+    return future
 
 
 def parallel_imap(fn, items: list, pool: str = "io"):

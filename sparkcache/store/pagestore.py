@@ -356,6 +356,16 @@ class PageStore:
         unverified bytes in the buffers, which the caller must not use."""
         self.objects.read_many_verified_into(list(refs), views_of)
 
+    def check_pages_present(self, refs: Sequence[PageRef]) -> None:
+        """Raise ``ObjectError`` (absent, or not the object it should be) for the first of
+        ``refs`` whose object is not there, whole: nothing read, nothing hashed."""
+        self.objects.check_many_present(list(refs))
+
+    def read_page_into(self, ref: PageRef, buffer: memoryview) -> None:
+        """One page object read into ``buffer`` (its exact size) and verified there
+        (``ObjectStore.read_verified_into``); an ``ObjectError`` leaves unverified bytes."""
+        self.objects.read_verified_into(ref, [buffer])
+
     def start_readers(self) -> None:
         """Start the threads restores read on now (``ObjectStore.start_readers``)."""
         self.objects.start_readers()

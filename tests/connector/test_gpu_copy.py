@@ -24,5 +24,5 @@ def test_the_device_check_passes_on_cpu_with_vllms_own_views(tmp_path):
     assert all(c["ok"] and c["blocks_compared"] >= 20 for c in cases), [c for c in cases if not c["ok"]]
     c = result["throughput"]
     assert c["bytes"] == 512 // 16 * 80 * 2 * 16 * 256 * 2
-    assert c["capture_gb_per_s"] > 0 and c["restore_gb_per_s"] > 0
+    assert c["capture_gb_per_s"] > 0 and c["place_gb_per_s"] > 0 and c["restore_gb_per_s"] > 0
 
