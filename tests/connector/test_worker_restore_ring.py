@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -163,7 +165,7 @@ def test_an_object_larger_than_the_slots_grows_the_ring():
 
 
 def test_a_refused_read_is_raised_after_every_read_in_flight_ended():
-    pool = __import__("concurrent.futures").futures.ThreadPoolExecutor(4)
+    pool = ThreadPoolExecutor(4)
     ring = restore_ring.RestoreRing(16, torch.device("cpu"), slots=4)
     ended: list[int] = []
 
@@ -181,3 +183,36 @@ def test_a_refused_read_is_raised_after_every_read_in_flight_ended():
         assert sorted(ended) == [0, 2, 3, 4], "a read was still writing into a slot when the error was raised"
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["whole", "corrupt"])
+def test_an_asynchronous_load_on_the_loader_thread_is_reported_once_it_is_done(stored, corrupt):
+    """The loader thread an accelerator's worker starts (here on the CPU ring): ``load``
+    returns at once, ``take_results`` reports the request only once its objects are placed,
+    a refused one in ``failed_recving`` too."""
+    src, ids, keys, root = stored
+    dst = vllm_kv_caches("LBHNC", 4, seed=2)
+    dest = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - PAGES, -1))
+    reader = _worker(dst, root, "restore-only")
+    reader._loader = ThreadPoolExecutor(1, "sparkcache-load")
+    gate = threading.Event()
+    reader._loader.submit(gate.wait)  # the load queues behind this until the test lets it go
+    try:
+        plan = _plan(reader, keys, dest)
+        if corrupt:
+            path = reader.store.objects.path(plan.stored.pages[PAGES // 2].digest)
+            with open(path, "r+b") as f:
+                f.write(b"\xff" * 8)
+        reader.load(plan)
+        assert reader.take_results()[1:] == (set(), set()), "reported before it was read"
+        gate.set()
+        deadline = time.monotonic() + 30
+        while not (got := reader.take_results()[1:])[0]:
+            assert time.monotonic() < deadline, "the asynchronous load was never reported"
+            time.sleep(0.01)
+        assert got == ({"r"}, {"r"} if corrupt else set())
+        assert reader.take_results()[1:] == (set(), set()), "reported twice"
+    finally:
+        reader.close()
+    if not corrupt:
+        assert _wrong_blocks(src, ids, dst, dest) == []
