@@ -182,6 +182,10 @@ WATCHED = ("vllm:sparkcache_capacity_used_bytes", "vllm:sparkcache_capacity_limi
            "vllm:sparkcache_captures_total", "vllm:sparkcache_publish_failures_total")
 # the connector's own time per engine step, on the model's thread and on the scheduler's
 STEP_HISTOGRAMS = ("vllm:sparkcache_worker_step_seconds", "vllm:sparkcache_scheduler_step_seconds")
+# vLLM's own split of a request's first token: frontend arrival to first token, waiting in the
+# scheduler's queue, scheduled to first token (a probe runs alone: its own, from the deltas)
+REQUEST_HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+                      "vllm:request_prefill_time_seconds")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -195,8 +199,25 @@ def scrape(port: int) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name = f"{s.name}:{s.labels['le']}" if s.name.endswith("_bucket") else s.name
-            if s.name in WATCHED or s.name.startswith(STEP_HISTOGRAMS):
+            if s.name in WATCHED or s.name.startswith(STEP_HISTOGRAMS) or \
+                    s.name.endswith(("_sum", "_count")) and s.name.startswith(REQUEST_HISTOGRAMS):
                 out[name] = out.get(name, 0.0) + s.value
+    return out
+
+
+def split_key(histogram: str) -> str:
+    return histogram.split(":", 1)[1].replace("sparkcache_", "connector_")
+
+
+def request_split(before: dict, after: dict) -> dict:
+    """The probe's own share of vLLM's request histograms and of the connector's per-step
+    time, from scrapes right before and right after it (seconds; None where another request
+    was counted between)."""
+    out: dict[str, float | None] = {}
+    for h in REQUEST_HISTOGRAMS + STEP_HISTOGRAMS:
+        count = after.get(h + "_count", 0.0) - before.get(h + "_count", 0.0)
+        total = after.get(h + "_sum", 0.0) - before.get(h + "_sum", 0.0)
+        out[split_key(h)] = total if h in STEP_HISTOGRAMS or count == 1 else None
     return out
 
 
@@ -253,7 +274,8 @@ def run_phase(args: argparse.Namespace, model: str, root: Path, mode: str, index
             if end is not None:
                 probes.append({**run, "publication_pending_at_start":
                                at_start.get("vllm:sparkcache_publication_pending_slots", 0.0),
-                               "store_at_cap_at_start": _at_cap(at_start)})
+                               "store_at_cap_at_start": _at_cap(at_start),
+                               **request_split(at_start, scrape(server.port))})
             elif time.monotonic() - t0 > args.warm_seconds + args.fill_timeout:
                 raise RuntimeError(f"phase {index}: the store did not reach its low watermark in "
                                    f"{args.fill_timeout:.0f} s; lower --max-bytes")
@@ -315,6 +337,9 @@ def summarize_phase(mode: str, index: int, startup_s: float, probes: list[dict],
         "probing_from_s": probing_from,
         "decode_tok_s": statistics.median(p["decode_tok_s"] for p in probes) if probes else None,
         "ttft_s": statistics.median(p["ttft_s"] for p in probes) if probes else None,
+        # where the probes' first token went, by vLLM's own histograms (medians; request_split)
+        "ttft_split_s": {k: statistics.median(v) for k in map(split_key, REQUEST_HISTOGRAMS + STEP_HISTOGRAMS)
+                         if (v := [p[k] for p in probes if p.get(k) is not None])},
         "gap_p50_s": _quantile(gaps, 0.5), "gap_p99_s": _quantile(gaps, 0.99),
         "store_cap_bytes": cap,
         # while the probes ran: the share of samples with the store at or over its low watermark
@@ -461,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"at cap {100 * phase['at_cap_fraction']:.0f}% (probes starting at cap {phase['probes_at_cap']}, "
                   f"with publications pending {phase['probes_publication_pending']}), passes {phase['maintenance_passes']:.0f} "
                   f"(over budget {phase['passes_over_budget']:.0f}), evictions {phase['evictions']:.0f}, "
-                  + "".join(f"{k} {1000 * v['mean_s']:.2f} ms/step (p99 <= {v['p99_at_most_s']}), "
+                  + "TTFT split (ms) " + " ".join(f"{k} {1000 * v:.1f}" for k, v in phase["ttft_split_s"].items())
+                  + ", " + "".join(f"{k} {1000 * v['mean_s']:.2f} ms/step (p99 <= {v['p99_at_most_s']}), "
                             for k, v in phase["connector_per_step"].items())
                   + f"[{time.monotonic() - t0:.0f} s]", flush=True)
     result = {"bench": "replay_b_engine", "args": {k: str(v) for k, v in vars(args).items()},
