@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -71,6 +72,13 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
     from sparkcache.store import Identity, PageStore, PublishResult
 
 logger = logging.getLogger("sparkcache.connector")
+
+# How long a thread that wants the GIL waits at most for one running Python code to hand it
+# over, while a writing worker's background threads (publisher, maintenance) run in vLLM's
+# worker process. At Python's default the model's thread, which takes the GIL back after
+# every torch op of a forward, waited behind them op after op (Report B's first-token
+# latency; docs/RESULTS.md, "Report B on the engine: the model's thread waited for the GIL").
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -142,6 +150,8 @@ class WorkerSide:
             self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_as_publisher)
             self._copier.submit(int)  # its thread starts now, not in the first capture's step
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
+            # for the process's life (a worker lives as long as vLLM's worker process)
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         if store is not None:
             store.start_readers()  # after the model's CPUs are noted: the io pool is placed by them
 

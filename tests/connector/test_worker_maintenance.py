@@ -304,3 +304,25 @@ def test_background_work_avoids_the_other_ranks_cores_too(tmp_path, monkeypatch)
         assert _cpus_of(threads["sparkcache-maintenance"]) == allowed
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("mode,lowered", [("read-write", True), ("restore-only", False)])
+def test_a_writing_worker_shortens_the_wait_for_the_gil(tmp_path, mode, lowered):
+    """Its publisher and maintenance threads run Python in vLLM's worker process: the model's
+    thread, which takes the GIL back after every torch op, then waits at most the
+    interpreter's switch interval for them (docs/RESULTS.md, Report B). A worker that writes
+    nothing starts no such thread and leaves the interval as it was."""
+    import sys
+
+    from sparkcache.connector.worker_side import GIL_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default, whatever an earlier test left
+    worker = None
+    try:
+        worker = _worker(tmp_path / "store", mode)
+        assert (sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S) is lowered, sys.getswitchinterval()
+    finally:
+        if worker is not None:
+            worker.close()
+        sys.setswitchinterval(before)
