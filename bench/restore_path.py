@@ -26,8 +26,11 @@ Real parts: sparkcache's worker half (``WorkerSide``) with its default
 
 Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
 
-- ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``):
-  what the disk or page cache gives, no hashing, no placement;
+- ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``)
+  faulted in and out of the CPU's caches, as the restore's blocks are
+  (``bench.page_cache.read_rate``): what the disk or page cache gives, no hashing, no
+  placement; warm, also ``raw_read_hot_destination``: the same read again into that buffer,
+  now in the CPU's caches;
 - ``verify``: the objects read into buffers and verified against their manifests' XXH3-128
   (``ObjectStore.read_many_verified``), nothing placed: the first half of what a restore
   through the ring (a device, split kernel blocks) does per object, here over the whole entry;
@@ -39,7 +42,7 @@ Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
   the captured one's).
 
 The restore's destination is the captured blocks themselves, zeroed first (then the raw read
-runs, then the load: both after the same zeroing), in the order
+runs, which takes them out of the CPU's caches, then the load: both after the same zeroing), in the order
 ``--dest-order`` gives (ascending, descending or shuffled: vLLM hands out both after churn),
 so one KV cache of the prompt's size is enough. With ``--cold`` the objects are evicted from
 the page cache before each timed part that reads them. Medians in the JSON, with the bytes
@@ -235,7 +238,10 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
                 kv[:blocks] = 0
             # the raw read and the load one after the other, in the same state (the zeroing's
             # OpenMP threads spinning down beside the first, not the second)
-            times["raw_read"].append(read_rate(paths, cold=cold)["seconds"])
+            raw = read_rate(paths, cold=cold)  # it also takes the zeroed blocks out of the CPU's caches
+            times["raw_read"].append(raw["seconds"])
+            if "hot_destination_gb_per_s" in raw:
+                times.setdefault("raw_read_hot_destination", []).append(raw["bytes"] / raw["hot_destination_gb_per_s"] / 1e9)
             if cold:
                 evict(paths)
             t = time.perf_counter()
