@@ -1,7 +1,7 @@
-"""Time to first token after an engine restart: recompute vs sparkcache vs vLLM's ExampleConnector.
+"""Time to first token after an engine restart: recompute vs sparkcache vs vLLM's ExampleConnector vs LMCache.
 
     python -m bench.restore_ttft --out bench-out/restore_ttft.json [--prompt-tokens 2100] [--reps 3] [--prompts 4]
-        [--recompute-reps 1] [--kv-cache-gib 1] [--cold | --warm]
+        [--recompute-reps 1] [--kv-cache-gib 1] [--cold | --warm] [--arms recompute,sparkcache,example,lmcache]
     python -m bench.restore_ttft --out bench-out/restore_curve.json --prompt-tokens 2048,8192,32768,65536 \
         [--recompute-max-tokens 8192] ...
 
@@ -15,14 +15,22 @@ recompute life (a 64K-token prefill takes minutes on 2 cores): their recompute T
 sparkcache storing life's, a fresh engine computing the prompt. Each life's KV cache holds at
 least two copies of the prompt's KV, so the local repeat still hits.
 
-One run, three arms, the same ``--prompts`` prompts (random token ids, 2,000+ tokens each,
-no shared prefix), greedy:
+One run, four arms (``--arms`` picks some; sparkcache always among them), the same
+``--prompts`` prompts (random token ids, 2,000+ tokens each, no shared prefix), greedy:
 
 - ``recompute``: no connector; the prompts are computed;
 - ``sparkcache``: one engine life publishes the prompts' KV (read-write), then each timed
   life is a fresh engine on the same root that restores them (verified read, then placed);
 - ``example``: vLLM's own ``ExampleConnector`` (``shared_storage_path``, also KV on disk):
-  one life stores, each timed life is a fresh engine that loads them.
+  one life stores, each timed life is a fresh engine that loads them;
+- ``lmcache``: LMCache 0.5.6 through vLLM's ``LMCacheConnectorV1``, its ``fs://`` backend on
+  the arm's root (the one that restores after a restart), 256-token chunks, no local CPU tier.
+  LMCache has no CPU build: its copy between vLLM's KV cache and its chunks is this bench's
+  torch copy (bench/lmcache_arm.py, which installs the wheel into .cache/bench-lmcache on
+  first use, never into the venv), so this arm measures LMCache's storage, lookup and
+  integration, not its CUDA kernels. It restores whole chunks up to all but the last prompt
+  token (``restored_tokens``, not rounded to vLLM blocks), and its local repeat also loads the
+  tokens after vLLM's last full block from LMCache (``notes``).
 
 Every engine life is its own process in its own session, killed as a group with SIGKILL
 afterwards (engine processes ignore SIGTERM). In a timed life the engine starts, serves
@@ -39,8 +47,10 @@ itself added (``restore_overhead_s``), free of how fast that engine life happens
 Several prompts per life give each arm ``--reps`` x ``--prompts`` samples for the cost of
 ``--reps`` engine starts;
 the JSON also keeps the median of the first request after each restart apart. The run fails
-unless every arm's lives give one greedy output per prompt and the two restore arms give the same one (they
-place the same stored KV and prefill the same last tokens). The recompute arm is compared
+unless every arm's lives give one greedy output per prompt and the restore arms that restore the same
+prefix give the same one (they place the same stored KV and prefill the same last tokens: sparkcache and
+ExampleConnector always, LMCache where its chunks end where vLLM's blocks do, as at 256k + 1 tokens;
+elsewhere ``lmcache_identical_to_sparkcache`` says). The recompute arm is compared
 but not required to match: with this random-weight bf16 model, greedy tokens depend on how
 the prompt's prefill was split (a 2,100-token prefill, a restored 2,080-token prefix plus 20,
 and a locally cached 2,080-token prefix plus 20 gave three different outputs; docs/RESULTS.md).
@@ -62,9 +72,16 @@ attention layers, hidden 1024, fp32; 8 KiB of KV per token, like ``BENCH``, plus
 recurrent state per entry) with ``mamba_cache_mode="align"``, the block size vLLM picks and prefill
 chunks of one block (what vLLM's CPU Mamba2 kernels need; ``engine`` in the JSON), in two
 arms: recompute and sparkcache, whose restore places the pages and the recurrent state
-(vLLM's ExampleConnector cannot load a hybrid model; ``not_run`` says so). vLLM raises the
+(vLLM's ExampleConnector cannot load a hybrid model, and the bench's copy for LMCache places
+attention KV only; ``not_run`` says so). vLLM raises the
 block size of this model to 576 tokens (``hybrid_shape``), so a prompt of 4 blocks + 20
 tokens (``--prompt-tokens 2324``) restores 2,304 tokens and computes 20, as the Llama runs do.
+Each peer arm (ExampleConnector, LMCache) is paired against sparkcache request by request (``ratios``;
+the example arm's keys name no peer, the lmcache arm's end in ``_vs_lmcache``). Sizes of 256k + 16
+tokens (2064, 8208, 32784) make all three restore the same prefix and compute the same 16 tokens:
+LMCache restores whole 256-token chunks, and vLLM 0.32.0's ExampleConnector finds nothing at a
+prompt of 32k + 1 tokens (it stores the first (n - 1) // 32 * 32 tokens and looks up the first
+(n - 2) // 32 * 32).
 Medians over ``--reps`` fresh restarts x ``--prompts`` requests per arm; the timed lives interleave the arms (a round
 of one life per arm, ``--reps`` times), so drift of a shared machine hits every arm alike. The recompute arm,
 far slower than either restore, has a timed life in the first ``--recompute-reps`` rounds only.
@@ -87,8 +104,18 @@ from bench.page_cache import evict, files_under, read_rate, resident_fraction
 from contracts.engine_driver import RESULT_MARKER, load_cfg, run_in_fresh_process
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = ("recompute", "sparkcache", "example")
-HYBRID_ARMS = ("recompute", "sparkcache")  # vLLM's ExampleConnector cannot load a hybrid model
+ARMS = ("recompute", "sparkcache", "example", "lmcache")
+HYBRID_ARMS = ("recompute", "sparkcache")  # neither peer connector can load a hybrid model (HYBRID_NOT_RUN)
+PEER_ARMS = ("example", "lmcache")  # the other connectors, each paired against sparkcache
+LMCACHE_NOTE = ("LMCache 0.5.6 (fs:// backend, 256-token chunks, no local CPU tier) with this bench's torch copy "
+                "between vLLM's CPU KV cache and its chunks in place of its CUDA kernels (bench/lmcache_arm.py). "
+                "It restores whole chunks up to all but the last prompt token (restored_tokens), not vLLM blocks; "
+                "its local repeat is not load-free: vLLM's prefix cache holds the full blocks and LMCache loads "
+                "the tokens after them from their chunk file, so its load added leaves out up to one chunk read")
+HYBRID_NOT_RUN = {
+    "example": "vLLM's ExampleConnector cannot load a hybrid model (docs/CONNECTOR.md)",
+    "lmcache": "not run: the bench's CPU copy for LMCache (bench/lmcache_arm.py) places attention KV only, "
+               "no Mamba2 recurrent state"}
 
 
 @dataclass(frozen=True)
@@ -219,6 +246,10 @@ def hybrid_figures(path: str, spec, prompt_tokens: int) -> ModelFigures:
 def _engine_life(cfg: dict) -> dict:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if cfg["arm"] == "lmcache":  # LMCache reads its settings from the environment, at import
+        from bench.lmcache_arm import lmcache_env
+
+        os.environ.update(lmcache_env(cfg["root"]))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -232,6 +263,9 @@ def _engine_life(cfg: dict) -> dict:
     elif cfg["arm"] == "example":
         kvt = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                kv_connector_extra_config={"shared_storage_path": cfg["root"]})
+    elif cfg["arm"] == "lmcache":  # vLLM's LMCacheConnectorV1 with the bench's CPU copy (bench/lmcache_arm.py)
+        kvt = KVTransferConfig(kv_connector="LMCacheCPUConnector", kv_connector_module_path="bench.lmcache_arm",
+                               kv_role="kv_both")
     t0 = time.monotonic()
     shape = EngineShape(**cfg["shape"])
     hybrid = {"mamba_cache_mode": shape.mamba_cache_mode} if shape.mamba_cache_mode else {}
@@ -300,6 +334,59 @@ def _engine_life(cfg: dict) -> dict:
             "worker_step_buckets": steps}
 
 
+def chosen_arms(requested: list[str] | None, model: str) -> tuple[str, ...]:
+    """The arms a point runs, in ARMS order: ``--arms`` (default every arm of the model)."""
+    available = HYBRID_ARMS if model == "hybrid" else ARMS
+    if requested is None:
+        return available
+    missing = [arm for arm in requested if arm not in available]
+    if missing:
+        raise SystemExit(f"--arms {','.join(requested)}: {', '.join(missing)} cannot run with --model {model} "
+                         f"({'; '.join(HYBRID_NOT_RUN.get(a, 'unknown arm') for a in missing)}); pick from "
+                         f"{','.join(available)}")
+    if "sparkcache" not in requested:
+        raise SystemExit(f"--arms {','.join(requested)}: add sparkcache (the other arms are paired against it)")
+    return tuple(arm for arm in available if arm in requested)
+
+
+def not_run(arm_names: tuple[str, ...], model: str) -> dict[str, str]:
+    """Each arm of ARMS this point left out, with the reason."""
+    return {arm: HYBRID_NOT_RUN[arm] if model == "hybrid" and arm in HYBRID_NOT_RUN else "left out by --arms"
+            for arm in ARMS if arm not in arm_names}
+
+
+def lmcache_reusable(prompt_tokens: int) -> int:
+    """The prefix LMCache restores: its full chunks (it stores no partial one, ``save_unfull_chunk``
+    off by default), at most all but the last prompt token (vLLM computes at least one); not
+    rounded to vLLM's block size, unlike the other two connectors."""
+    from bench.lmcache_arm import CHUNK_TOKENS
+
+    return min(prompt_tokens - 1, prompt_tokens // CHUNK_TOKENS * CHUNK_TOKENS)
+
+
+def peer_ratios(peer: str, arms: dict, timed: list) -> dict:
+    """``peer`` (example or lmcache) against sparkcache: TTFT ratios, request-by-request pairs
+    (the same prompt of the same round) and the load each added over its own local repeat.
+    The example arm's keys are unchanged from before the lmcache arm; the lmcache arm's
+    unnamed ones carry ``_vs_lmcache``."""
+    sc, sc_over = arms["sparkcache"].ttft_median_s, arms["sparkcache"].restore_overhead_median_s
+    theirs, their_over = arms[peer].ttft_median_s, arms[peer].restore_overhead_median_s
+    sfx = "" if peer == "example" else f"_vs_{peer}"
+    pairs = {(t.rep, t.prompt): t for t in timed if t.arm == peer}
+    mine = [t for t in timed if t.arm == "sparkcache"]
+    paired = [pairs[(t.rep, t.prompt)].ttft_s / t.ttft_s for t in mine]
+    # the load each added over its own local hit, request by request (seconds; > 0: sparkcache's is smaller)
+    load_diffs = [pairs[(t.rep, t.prompt)].restore_overhead_s - t.restore_overhead_s for t in mine]
+    rounds = list(zip(arms["sparkcache"].life_medians_s, arms[peer].life_medians_s))
+    return {f"{peer}_over_sparkcache": theirs / sc,
+            f"{peer}_over_sparkcache_paired_median": _median(paired),
+            f"sparkcache_faster_in_pairs{sfx}": f"{sum(r >= 1 for r in paired)}/{len(paired)}",
+            f"sparkcache_faster_in_rounds{sfx}": f"{sum(s <= e for s, e in rounds)}/{len(rounds)}",
+            f"{peer}_over_sparkcache_restore_overhead": their_over / sc_over if sc_over > 0 else None,
+            f"sparkcache_load_smaller_in_pairs{sfx}": f"{sum(d >= 0 for d in load_diffs)}/{len(load_diffs)}",
+            f"{peer}_minus_sparkcache_load_paired_median_s": _median(load_diffs)}
+
+
 def step_quantiles(buckets: dict[str, int]) -> dict:
     """The median and the largest of the steps' time in the connector's worker hooks, as the
     bucket bounds of ``worker_step_seconds`` they fall under (seconds; inf above the last)."""
@@ -335,19 +422,25 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     from testing.tinymodel import BENCH, BENCH_HYBRID, TINY, make_tiny_hybrid, make_tiny_model
 
     if args.model == "hybrid":
-        spec, arm_names = BENCH_HYBRID, HYBRID_ARMS
+        spec = BENCH_HYBRID
         shape = hybrid_shape(spec)
         model, figures = make_tiny_hybrid(spec), hybrid_figures
     else:
-        spec, shape, arm_names = (TINY if args.model == "tiny" else BENCH), LLAMA_SHAPE, ARMS
+        spec, shape = (TINY if args.model == "tiny" else BENCH), LLAMA_SHAPE
         model, figures = make_tiny_model(spec), model_figures
+    arm_names = chosen_arms(args.arms, args.model)
+    store_arms = [arm for arm in arm_names if arm != "recompute"]
+    if "lmcache" in store_arms:
+        from bench.lmcache_arm import ensure_installed
+
+        ensure_installed()
     max_model_len = max(4096, prompt_tokens + 64)  # sizes checked against the model in main
     fig = figures(model, spec, prompt_tokens)
     # the KV of one prompt, twice over (the restored copy and vLLM's own blocks), at least
     # --kv-cache-gib: the repeat must find the prompt still in the engine's prefix cache
     kv_cache_bytes = max(int(args.kv_cache_gib * (1 << 30)), 2 * max_model_len * fig.kv_bytes_per_token)
-    recompute_timed = prompt_tokens <= args.recompute_max_tokens
-    timed_arms = arm_names if recompute_timed else arm_names[1:]
+    recompute_timed = "recompute" in arm_names and prompt_tokens <= args.recompute_max_tokens
+    timed_arms = tuple(arm for arm in arm_names if arm != "recompute" or recompute_timed)
     dtype = args.dtype or spec.dtype
     rng = random.Random(args.seed)
     vocab = spec.vocab_size
@@ -356,6 +449,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     # background publication overlaps the timed requests (ExampleConnector stores it in-step)
     warmup = [rng.randrange(3, vocab) for _ in range(40)]
     reusable = (prompt_tokens - 1) // shape.block_size * shape.block_size
+    restorable = {arm: lmcache_reusable(prompt_tokens) if arm == "lmcache" else reusable for arm in store_arms}
     base = {"model": model, "dtype": dtype, "prompts": prompts, "warmup": warmup, "shape": asdict(shape),
             "check_tokens": args.check_tokens, "max_model_len": max_model_len,
             "cold": args.cold, "warm": args.warm, "kv_cache_bytes": kv_cache_bytes}
@@ -365,7 +459,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     external: dict[str, float] = {arm: 0.0 for arm in timed_arms}
     restored = {"seconds": 0.0, "bytes": 0.0, "count": 0}  # sparkcache's worker, all timed lives
     populate: dict[str, list[float]] = {}
-    for arm in arm_names[1:]:  # the restore arms store the prompts first, in a life of their own
+    for arm in store_arms:  # the restore arms store the prompts first, in a life of their own
         t = time.monotonic()
         stored = run_life({**base, "arm": arm, "root": str(work / arm), "warmup": None, "check_tokens": 1,
                            "repeat_local": False}, args.life_timeout)
@@ -427,26 +521,19 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
                "recompute_identical_to_restore": consistent(*timed_arms) if recompute_timed else None}
     targets = {"sparkcache_faster_than_recompute": sc < rec,
                "sparkcache_restored_everything": arms["sparkcache"].num_cached_tokens == reusable}
-    if "example" in arms:
-        ex, ex_over = arms["example"].ttft_median_s, arms["example"].restore_overhead_median_s
-        # the same request of the same round, sparkcache against ExampleConnector
-        pairs = {(t.rep, t.prompt): t for t in timed if t.arm == "example"}
-        mine = [t for t in timed if t.arm == "sparkcache"]
-        paired = [pairs[(t.rep, t.prompt)].ttft_s / t.ttft_s for t in mine]
-        # the load each added over its own local hit, request by request (seconds; > 0: sparkcache's is smaller)
-        load_diffs = [pairs[(t.rep, t.prompt)].restore_overhead_s - t.restore_overhead_s for t in mine]
-        rounds = list(zip(arms["sparkcache"].life_medians_s, arms["example"].life_medians_s))
-        ratios.update({"example_over_sparkcache": ex / sc,
-                       "example_over_sparkcache_paired_median": _median(paired),
-                       "sparkcache_faster_in_pairs": f"{sum(r >= 1 for r in paired)}/{len(paired)}",
-                       "sparkcache_faster_in_rounds": f"{sum(s <= e for s, e in rounds)}/{len(rounds)}",
-                       "example_over_sparkcache_restore_overhead": ex_over / sc_over if sc_over > 0 else None,
-                       "sparkcache_load_smaller_in_pairs": f"{sum(d >= 0 for d in load_diffs)}/{len(load_diffs)}",
-                       "example_minus_sparkcache_load_paired_median_s": _median(load_diffs)})
-        outputs["restore_arms_identical"] = consistent("sparkcache", "example")
-        targets.update({"sparkcache_at_least_as_fast_as_example": sc <= ex,
-                        "sparkcache_restore_overhead_at_most_example": sc_over <= ex_over,
-                        "example_restored_everything": arms["example"].num_cached_tokens == reusable})
+    peers = [arm for arm in PEER_ARMS if arm in arms]
+    for peer in peers:
+        ratios.update(peer_ratios(peer, arms, timed))
+        outputs[f"{peer}_identical_to_sparkcache"] = consistent("sparkcache", peer)
+        targets.update({f"sparkcache_at_least_as_fast_as_{peer}": sc <= arms[peer].ttft_median_s,
+                        f"sparkcache_restore_overhead_at_most_{peer}": sc_over <= arms[peer].restore_overhead_median_s,
+                        f"{peer}_restored_everything": arms[peer].num_cached_tokens == restorable[peer]})
+    # every restore arm that restores the same prefix as sparkcache: the same greedy output (an
+    # arm that restores another prefix prefills another split, which may change it; its
+    # ``<peer>_identical_to_sparkcache`` says, without failing the run)
+    same_split = [peer for peer in peers if restorable[peer] == reusable]
+    if same_split:
+        outputs["restore_arms_identical"] = consistent("sparkcache", *same_split)
     # The restore path's own rate (the worker's restore_seconds and restore_bytes histograms)
     # against a plain read of the same stored files in the same page-cache state.
     raw = read_rate(files_under(str(work / "sparkcache")), cold=args.cold)
@@ -465,9 +552,10 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
         "model": asdict(fig),
         "arms": {a: asdict(s) for a, s in arms.items()},
         "recompute": {"ttft_median_s": rec, "source": "timed lives" if recompute_timed else
-                      "the sparkcache storing life (above --recompute-max-tokens)"},
-        "not_run": {} if "example" in arms else {
-            "example": "vLLM's ExampleConnector cannot load a hybrid model (docs/CONNECTOR.md)"},
+                      "the sparkcache storing life (above --recompute-max-tokens)" if "recompute" in arm_names
+                      else "the sparkcache storing life (recompute left out by --arms)"},
+        "not_run": not_run(arm_names, args.model),
+        "restored_tokens": restorable,
         "timed": [asdict(t) for t in timed],
         "restore_rate": restore_rate,
         "capturing_life_worker_steps": capture_steps,
@@ -478,6 +566,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
                        "resident_fraction_range says how much stayed)"),
         "kv_cache_bytes": kv_cache_bytes,
         "cpu_count": os.cpu_count(),
+        "notes": {"lmcache": LMCACHE_NOTE} if "lmcache" in arms else {},
     }
     if not args.keep:
         import shutil
@@ -492,17 +581,19 @@ def curve(points: list[dict]) -> list[dict]:
     rows = []
     for p in points:
         kv_bytes = p["reusable_tokens"] * p["model"]["kv_bytes_per_token"]
+        restored = p.get("restored_tokens", {})
         row = {"prompt_tokens": p["prompt_tokens"], "restored_bytes_per_request": kv_bytes,
                "recompute_ttft_s": p["recompute"]["ttft_median_s"],
                "restore_gb_per_s": p["restore_rate"]["gb_per_s"],
                "raw_read_gb_per_s": p["restore_rate"]["raw_read"]["gb_per_s"],
                "pairs": p["ratios"].get("sparkcache_load_smaller_in_pairs")}
-        for arm in ("sparkcache", "example"):
+        for arm in ("sparkcache", *PEER_ARMS):
             if arm in p["arms"]:
                 added = p["arms"][arm]["restore_overhead_median_s"]
+                placed = restored.get(arm, p["reusable_tokens"]) * p["model"]["kv_bytes_per_token"]
                 row[f"{arm}_ttft_s"] = p["arms"][arm]["ttft_median_s"]
                 row[f"{arm}_load_added_s"] = added
-                row[f"{arm}_load_gb_per_s"] = kv_bytes / added / 1e9 if added > 0 else None
+                row[f"{arm}_load_gb_per_s"] = placed / added / 1e9 if added > 0 else None
         rows.append(row)
     return rows
 
@@ -518,7 +609,7 @@ def plot(result: dict, png: Path) -> Path | None:
     rows = result["curve"]
     x = [r["prompt_tokens"] for r in rows]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
-    for arm, style in (("sparkcache", "o-"), ("example", "s--")):
+    for arm, style in (("sparkcache", "o-"), ("example", "s--"), ("lmcache", "d-.")):
         if all(f"{arm}_load_added_s" in r for r in rows):
             ax1.plot(x, [r[f"{arm}_load_added_s"] * 1e3 for r in rows], style, label=arm)
             ax2.plot(x, [r[f"{arm}_load_gb_per_s"] or 0 for r in rows], style, label=f"{arm} (bytes / load added)")
@@ -568,6 +659,8 @@ def table(result: dict) -> str:
     r = result["restore_rate"]
     lines.append(f"sparkcache restore rate {r['gb_per_s']:.2f} GB/s ({r['restores']} restores, worker time), "
                  f"raw read of the same files {r['raw_read']['gb_per_s']:.2f} GB/s")
+    for arm, note in result.get("notes", {}).items():
+        lines.append(f"{arm}: {note}")
     lines.append(f"ratios: {result['ratios']}")
     lines.append(f"outputs: {result['outputs']}; targets: {result['targets']}")
     return "\n".join(lines)
@@ -575,13 +668,13 @@ def table(result: dict) -> str:
 
 def curve_table(result: dict) -> str:
     lines = [table(p) + "\n" for p in result["points"]]
-    lines.append(f"{'tokens':>8}{'MB':>8}{'recompute s':>13}{'sc added ms':>13}{'ex added ms':>13}"
-                 f"{'sc GB/s':>9}{'ex GB/s':>9}{'restore GB/s':>14}{'raw GB/s':>10}{'sc<=ex pairs':>14}")
-    for r in result["curve"]:
+    lines.append(f"{'tokens':>8}{'MB':>8}{'recompute s':>13}{'sc added ms':>13}{'ex added ms':>13}{'lm added ms':>13}"
+                 f"{'sc GB/s':>9}{'ex GB/s':>9}{'lm GB/s':>9}{'restore GB/s':>14}{'raw GB/s':>10}{'sc<=ex pairs':>14}")
+    for r in result["curve"]:  # an arm a point did not run shows 0
         lines.append(f"{r['prompt_tokens']:>8}{r['restored_bytes_per_request'] / 1e6:>8.0f}{r['recompute_ttft_s']:>13.2f}"
-                     f"{r.get('sparkcache_load_added_s', 0) * 1e3:>13.1f}{r.get('example_load_added_s', 0) * 1e3:>13.1f}"
-                     f"{r.get('sparkcache_load_gb_per_s') or 0:>9.2f}{r.get('example_load_gb_per_s') or 0:>9.2f}"
-                     f"{r['restore_gb_per_s']:>14.2f}{r['raw_read_gb_per_s']:>10.2f}{str(r['pairs']):>14}")
+                     + "".join(f"{r.get(f'{a}_load_added_s', 0) * 1e3:>13.1f}" for a in ("sparkcache", *PEER_ARMS))
+                     + "".join(f"{r.get(f'{a}_load_gb_per_s') or 0:>9.2f}" for a in ("sparkcache", *PEER_ARMS))
+                     + f"{r['restore_gb_per_s']:>14.2f}{r['raw_read_gb_per_s']:>10.2f}{r['pairs']!s:>14}")
     return "\n".join(lines)
 
 
@@ -602,6 +695,9 @@ def parser() -> argparse.ArgumentParser:
     a("--model", choices=("bench", "tiny", "hybrid"), default="bench",
       help="bench: testing.tinymodel.BENCH (Llama); tiny: TINY; hybrid: BENCH_HYBRID (NemotronH, "
       "Mamba2 + attention; recompute and sparkcache only, ExampleConnector cannot load it)")
+    a("--arms", type=_arm_list, default=None, help="comma-separated arms to run, sparkcache among them "
+      f"(default: every arm of the model: {','.join(ARMS)}; hybrid: {','.join(HYBRID_ARMS)}), e.g. "
+      "recompute,sparkcache,example to leave LMCache out")
     a("--dtype", default=None, help="override the model's dtype (default: the spec's)")
     a("--seed", type=int, default=0)
     a("--work-dir", default=None, help="where the stores live (default: the system temp dir)")
@@ -624,6 +720,14 @@ def _max_prompt_tokens(model: str) -> int:
     return {"bench": BENCH, "tiny": TINY, "hybrid": BENCH_HYBRID}[model].max_position_embeddings - 64
 
 
+def _arm_list(text: str) -> list[str]:
+    arms = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise argparse.ArgumentTypeError(f"{text!r}: arms are {','.join(ARMS)}, comma-separated")
+    return arms
+
+
 def _sizes(text: str) -> list[int]:
     try:
         sizes = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -643,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1 or args.prompts < 1 or not 1 <= args.recompute_reps <= args.reps:
         raise SystemExit(f"--reps {args.reps} / --prompts {args.prompts} / --recompute-reps {args.recompute_reps}: "
                          "need >= 1, >= 1 and 1..--reps")
+    chosen_arms(args.arms, args.model)  # before any life runs: a wrong --arms says so now
     limit = _max_prompt_tokens(args.model)
     if max(args.prompt_tokens) > limit:  # before any size runs: a curve takes hours
         raise SystemExit(f"--prompt-tokens {max(args.prompt_tokens)}: the {args.model} model takes at most "
@@ -658,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     points = result.get("points", [result])
     if not all(p["outputs"]["each_arm_consistent"] and p["outputs"].get("restore_arms_identical", True)
                for p in points):
-        print("FAIL: greedy outputs of a prompt differ between the lives of one arm or between the two restore arms",
+        print("FAIL: greedy outputs of a prompt differ between the lives of one arm or between the restore arms",
               file=sys.stderr)
         return 1
     return 0
