@@ -14,7 +14,8 @@ On the CPU each placement is done when it returns.
 once every copy is queued: a synchronous load orders the model's stream after it
 (``order_current_stream_after``) and returns without waiting for the copies; an asynchronous
 one polls it (``copied``). An object that fails its read stops the restore and is raised
-once the reads in flight have ended (they write into slots only): the objects before it hold
+once the reads in flight have ended (they write into slots only) and the copies queued have
+landed (vLLM recomputes those blocks next, on its own stream): the objects before it hold
 their verified bytes in blocks the caller reports to vLLM as not loaded.
 
 Torch alone (no vLLM, no store): the caller passes how to read an object and how to place it.
@@ -61,9 +62,6 @@ class RestoreRing:
         self._copied: list[object | None] = [None] * self._slots  # CUDA: after the slot's last copy
         self._staging = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda else None
 
-    def host_bytes(self) -> int:
-        return self._slots * self.slot_bytes
-
     def restore(self, sizes: Sequence[int], read_into: ReadInto, place: Place, submit: Submit,
                 after: object | None = None) -> tuple[int, object | None]:
         """Read object k (``sizes[k]`` bytes) into a slot, then place it, for every k in order.
@@ -96,6 +94,8 @@ class RestoreRing:
                 placed += self._place(reading.popleft(), sizes, place)
         except BaseException:
             wait([future for _, _, future in reading])  # nothing writes into a slot after this
+            if self._stream is not None:  # nor into a block: vLLM recomputes them next
+                self._stream.synchronize()
             raise
         return placed
 
