@@ -197,8 +197,8 @@ class WorkerSide:
         self._memory = {name: kv_copy.block_memory(self.views[name]) for _, name in self._page_layers()}
         self._into_blocks = bool(self._memory) and None not in self._memory.values()
         pages = [self.views[name] for _, name in self._page_layers()]
-        if self.store is not None and self._usable() and pages and not self._into_blocks:
-            device = pages[0].device
+        if self.store is not None and self._usable() and self.views and not self._into_blocks:
+            device = next(iter(self.views.values())).device  # a layout of windows alone has no pages
             self._ring = restore_ring.RestoreRing(self.bpp * sum(v.block_bytes for v in pages), device)
             if device.type != "cpu" and self._loader is None:
                 self._loader = ThreadPoolExecutor(1, "sparkcache-load",
