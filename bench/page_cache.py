@@ -81,7 +81,7 @@ def read_rate(paths: list[str], *, cold: bool) -> dict:
     caches, as the KV cache blocks a restore writes into are (``evict_cpu_caches``), from disk
     (``cold``: evicted first) or from the page cache (read just before the timed read, as a
     warm restore finds them). ``{"bytes", "seconds", "gb_per_s"}``; warm, also
-    ``hot_destination_gb_per_s``: the same read once more into the same buffer, now in the
+    ``hot_destination_seconds`` and ``hot_destination_gb_per_s``: the same read once more into the same buffer, now in the
     CPU's caches (what a buffer read twice measures, no restore's state)."""
     import time
 
@@ -101,7 +101,8 @@ def read_rate(paths: list[str], *, cold: bool) -> dict:
     if not cold:
         t = time.perf_counter()
         _read_all(paths, sizes, view)
-        out["hot_destination_gb_per_s"] = total / (time.perf_counter() - t) / 1e9
+        out["hot_destination_seconds"] = hot = time.perf_counter() - t
+        out["hot_destination_gb_per_s"] = total / hot / 1e9 if hot > 0 else 0.0
     return out
 
 

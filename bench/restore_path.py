@@ -240,8 +240,8 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
             # OpenMP threads spinning down beside the first, not the second)
             raw = read_rate(paths, cold=cold)  # it also takes the zeroed blocks out of the CPU's caches
             times["raw_read"].append(raw["seconds"])
-            if "hot_destination_gb_per_s" in raw:
-                times.setdefault("raw_read_hot_destination", []).append(raw["bytes"] / raw["hot_destination_gb_per_s"] / 1e9)
+            if "hot_destination_seconds" in raw:
+                times.setdefault("raw_read_hot_destination", []).append(raw["hot_destination_seconds"])
             if cold:
                 evict(paths)
             t = time.perf_counter()
