@@ -20,11 +20,12 @@ Real parts: sparkcache's worker half (``WorkerSide``) with its default
   copied out of the KV cache: vLLM may free its blocks);
 - ``published``: until the entry is published (copied, hashed, written, durable);
 - ``raw_copy``: the same bytes copied from the KV tensors into one host buffer (no index,
-  no store): what a copy alone costs;
+  no store; at most ``bench.page_cache.BUFFER_CAP``, reused in turn): what a copy alone costs;
 - ``peak_rss_added``: the process's peak resident memory during the capture above what it
   was before (sampled every 2 ms), against the bound ``slots x slot bytes``.
 
-Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
+Then, in a second worker on the same store and KV bytes (as after a restart: the first's
+capture slots gone), ``--reps`` times each (not with ``--capture-only``), timed on this thread:
 
 - ``raw_read``: every stored object of the prompt read whole into one buffer (``readinto``)
   faulted in and out of the CPU's caches, as the restore's blocks are
@@ -33,7 +34,8 @@ Then, ``--reps`` times each (not with ``--capture-only``), timed on this thread:
   now in the CPU's caches;
 - ``verify``: the objects read into buffers and verified against their manifests' XXH3-128
   (``ObjectStore.read_many_verified``), nothing placed: the first half of what a restore
-  through the ring (a device, split kernel blocks) does per object, here over the whole entry;
+  through the ring (a device, split kernel blocks) does per object, here over the entry in
+  runs of at most ``bench.page_cache.BUFFER_CAP`` bytes;
 - ``place``: those verified pages copied into the destination blocks (``kv_copy.place``, the
   ring's second half);
 - ``load``: the worker's whole restore (``WorkerSide.load``; on these KV tensors, whose blocks
@@ -52,6 +54,7 @@ and GB/s of each part.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -60,6 +63,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.page_cache import BUFFER_CAP
 from bench.restore_ttft import _median, _sizes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,11 +155,12 @@ def _capture(worker, keys: list[str], blocks: int) -> dict:
     from sparkcache.connector.capture_plans import CapturePlan
 
     nbytes = blocks * sum(v.block_bytes for v in worker.views.values())
-    host = torch.empty(nbytes, dtype=torch.uint8)
+    host = torch.empty(min(nbytes, BUFFER_CAP), dtype=torch.uint8)
     t = time.perf_counter()
     at = 0
     for kv in worker.kv.values():  # the same bytes, one plain copy per layer
-        part = kv[:blocks].reshape(-1)
+        part = kv[:blocks].reshape(-1).view(torch.uint8)
+        at = 0 if at + part.numel() > host.numel() else at
         host[at:at + part.numel()].copy_(part)
         at += part.numel()
     raw_copy = time.perf_counter() - t
@@ -189,6 +194,19 @@ def _capture(worker, keys: list[str], blocks: int) -> dict:
             "skipped_too_large": stats.skipped_too_large}
 
 
+def _chunks(pages: list) -> list[list]:
+    """``pages`` in runs of at most ``BUFFER_CAP`` bytes (at least one page each)."""
+    out: list[list] = [[]]
+    held = 0
+    for page in pages:
+        if out[-1] and held + page.size > BUFFER_CAP:
+            out.append([])
+            held = 0
+        out[-1].append(page)
+        held += page.size
+    return out
+
+
 DEST_ORDERS = ("ascending", "descending", "shuffled")
 
 
@@ -210,6 +228,12 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
         out = {"prompt_tokens": tokens, "bytes": capture["bytes"], "capture": capture}
         if capture_only:
             return out
+        # the restore in a worker of its own, as after a restart: the capture's slot buffers
+        # are gone with the first (the same seed gives the second the same KV bytes)
+        worker.close()
+        worker = None
+        gc.collect()  # its KV cache too, before the second's
+        worker = _worker(str(work / f"store-{tokens}"), blocks + 1, shape)
         found = worker.store.lookup(worker.identity, keys)
         stored = StoredPages.of(found.handle, 0, blocks)
         paths = [worker.store.objects.path(p.digest) for p in stored.pages]
@@ -225,15 +249,19 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
             plan = LoadPlan("r", keys, 0, [dest], sync=True, stored=stored)
             if cold:
                 evict(paths)
-            t = time.perf_counter()
-            pages = worker.store.objects.read_many_verified(list(stored.pages),
-                                                            parallel=worker.read_in_parallel)
-            times["verify"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            for page, span in zip(pages, worker._page_spans(plan, stored)):
-                worker._place_page(plan, page, span)
-            times["place"].append(time.perf_counter() - t)
-            del pages
+            verify = place = 0.0
+            spans = iter(worker._page_spans(plan, stored))
+            for chunk in _chunks(list(stored.pages)):  # in turn, so no second copy of a large entry
+                t = time.perf_counter()
+                pages = worker.store.objects.read_many_verified(chunk, parallel=worker.read_in_parallel)
+                verify += time.perf_counter() - t
+                t = time.perf_counter()
+                for page in pages:
+                    worker._place_page(plan, page, next(spans))
+                place += time.perf_counter() - t
+                del pages
+            times["verify"].append(verify)
+            times["place"].append(place)
             for kv in worker.kv.values():
                 kv[:blocks] = 0
             # the raw read and the load one after the other, in the same state (the zeroing's
@@ -257,7 +285,8 @@ def point(tokens: int, reps: int, cold: bool, work: Path, dest_order: str = "asc
                     "load_of_raw_read": med["raw_read"] / med["load"], "all_s": times})
         return out
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
 
 
 def main(argv: list[str] | None = None) -> int:

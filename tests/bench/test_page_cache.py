@@ -44,3 +44,23 @@ def test_this_machine_names_its_caches_and_they_can_be_flushed():
     assert last_level_cache_bytes() > 0, "sysfs names no CPU cache: evict_cpu_caches falls back to its floor"
     evict_cpu_caches()
     evict_cpu_caches()
+
+
+def test_a_read_larger_than_the_buffer_cap_reuses_the_buffer_and_counts_every_byte(tmp_path, monkeypatch):
+    import bench.page_cache as page_cache
+
+    monkeypatch.setattr(page_cache, "BUFFER_CAP", 3 << 20)
+    paths = _files(tmp_path, [2 << 20, 2 << 20, 3 << 20, 1])
+    out = read_rate(paths, cold=False)
+    assert out["bytes"] == (7 << 20) + 1 and out["seconds"] > 0
+
+
+def test_a_file_larger_than_the_buffer_cap_is_refused_by_name(tmp_path, monkeypatch):
+    import pytest
+
+    import bench.page_cache as page_cache
+
+    monkeypatch.setattr(page_cache, "BUFFER_CAP", 1 << 20)
+    paths = _files(tmp_path, [(1 << 20) + 1])
+    with pytest.raises(ValueError, match="f0: 1048577 bytes"):
+        read_rate(paths, cold=True)
