@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.prompt_tokens
     import shutil
 
+    # imported here, not in the first _worker: the import keeps the importing frame alive (a
+    # vLLM base class's creation holds the stack), and that frame's worker with it
+    import sparkcache.connector.connector  # noqa: F401
+
     work = Path(tempfile.mkdtemp(prefix="restore_path-", dir=args.work_dir))
     try:
         points = []
