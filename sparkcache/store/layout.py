@@ -237,6 +237,22 @@ class StoreLayout:
         with self._parent(src) as (sfd, sname), self._parent(dst, create=create_dirs) as (dfd, dname):
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
 
+    def rename_if_absent(self, src: str, dst: str, *, create_dirs: bool = False) -> bool:
+        """``rename`` unless something is at ``dst`` already: False then, and ``src`` stays.
+        Atomic where the filesystem has ``renameat2(RENAME_NOREPLACE)``; elsewhere (FUSE,
+        some network filesystems) ``dst`` is looked at first, and a writer racing this one
+        may be replaced by it."""
+        with self._parent(src) as (sfd, sname), self._parent(dst, create=create_dirs) as (dfd, dname):
+            done = _rename_noreplace(sfd, sname, dfd, dname)
+            if done is not None:
+                return done
+            try:
+                os.stat(dname, dir_fd=dfd, follow_symlinks=False)
+                return False
+            except FileNotFoundError:
+                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+                return True
+
     def touch(self, path: str, when: float | None = None) -> float:
         """Set ``path``'s access and modification times (never through a link) to ``when``,
         or by default to the kernel's current time (``utimensat(UTIME_NOW)``: the
@@ -447,21 +463,46 @@ def sync_all(sync, fds: list, pool: str = "io") -> None:
     parallel_map(sync, fds, pool)
 
 
-_SYNC_FILE_RANGE = None
+_LIBC_FUNCTIONS: dict = {}
+
+
+def _libc_function(name: str, *argtypes: str):
+    """libc's ``name``, its arguments of the ``ctypes`` types named (False where there is
+    none), looked up once."""
+    fn = _LIBC_FUNCTIONS.get(name)
+    if fn is None:
+        try:
+            import ctypes
+            fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+            fn.argtypes = [getattr(ctypes, t) for t in argtypes]
+        except (OSError, AttributeError):
+            fn = False
+        _LIBC_FUNCTIONS[name] = fn
+    return fn
 
 
 def _sync_file_range():
-    global _SYNC_FILE_RANGE
-    if _SYNC_FILE_RANGE is None:
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-            _SYNC_FILE_RANGE = fn
-        except (OSError, AttributeError):
-            _SYNC_FILE_RANGE = False
-    return _SYNC_FILE_RANGE
+    return _libc_function("sync_file_range", "c_int", "c_longlong", "c_longlong", "c_uint")
+
+
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str) -> bool | None:
+    """``renameat2(..., RENAME_NOREPLACE)``: True when renamed, False when ``dst`` exists, None
+    where the system or the filesystem does not offer it. Other failures raise ``OSError``."""
+    fn = _libc_function("renameat2", "c_int", "c_char_p", "c_int", "c_char_p", "c_uint")
+    if not fn:
+        return None
+    if fn(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    import ctypes
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        return False
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return None
+    raise OSError(err, os.strerror(err), dst)
 
 
 def start_writeback(fd: int) -> None:
