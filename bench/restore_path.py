@@ -33,7 +33,7 @@ capture slots gone), ``--reps`` times each (not with ``--capture-only``), timed 
   placement; warm, also ``raw_read_hot_destination``: the same read again into that buffer,
   now in the CPU's caches;
 - ``verify``: the objects read into buffers and verified against their manifests' XXH3-128
-  (``ObjectStore.read_many_verified``), nothing placed: the first half of what a restore
+  (``LocalBackend.read_many_verified``), nothing placed: the first half of what a restore
   through the ring (a device, split kernel blocks) does per object, here over the entry in
   runs of at most ``bench.page_cache.BUFFER_CAP`` bytes;
 - ``place``: those verified pages copied into the destination blocks (``kv_copy.place``, the

@@ -79,3 +79,58 @@ def test_the_check_sees_each_way_in(tmp_path):
                      "sys.path.insert(0, str(REPO / 'tests'))",
                      "importlib.import_module('tests.store.store_helpers')", "sys.path.extend([str(REPO / 'bench')])"], lines
 
+
+
+def sibling_imports(path: Path) -> set[str]:
+    """The modules of ``path``'s own package it imports when it is loaded or type-checked:
+    ``from .x import ...`` and ``from . import x`` at module level (inside ``if TYPE_CHECKING:``
+    and ``try:`` included; an import inside a function is left out: it runs only when called)."""
+    out: set[str] = set()
+    body = list(ast.parse(path.read_text(), filename=str(path)).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            body += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:
+            out |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+    return out
+
+
+def import_circle(package: Path) -> list[str]:
+    """One circle of module-level imports among a package's modules (``a -> b -> a``), or []."""
+    graph = {p.stem: sibling_imports(p) for p in package.glob("*.py")}
+    done: set[str] = set()
+
+    def walk(name: str, path: list[str]) -> list[str]:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done or name not in graph:
+            return []
+        for nxt in sorted(graph[name]):
+            found = walk(nxt, path + [name])
+            if found:
+                return found
+        done.add(name)
+        return []
+
+    for start in sorted(graph):
+        found = walk(start, [])
+        if found:
+            return found
+    return []
+
+
+def test_the_stores_parts_import_no_circle():
+    """Each part of the store receives the parts it uses: none imports a part that imports it
+    back, not even for its types."""
+    assert import_circle(REPO / "sparkcache" / "store") == []
+
+
+def test_the_circle_check_sees_one(tmp_path):
+    (tmp_path / "a.py").write_text("from .b import B\n")
+    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n")
+    (tmp_path / "c.py").write_text("def f():\n    from .a import A\n")
+    assert import_circle(tmp_path) == []  # an import inside a function is no circle
+    (tmp_path / "c.py").write_text("from . import a\n")
+    assert import_circle(tmp_path) == ["a", "b", "c", "a"]

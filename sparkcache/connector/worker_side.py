@@ -12,8 +12,8 @@ lookup), with system calls (so a failing disk or a file truncated under the read
 refused restore, never a signal), and verify each against the XXH3-128 its manifest records.
 Where the KV cache is in host memory and each block's bytes are one run in page order (vLLM's
 CPU backend), a page is read straight into its destination blocks and verified there, so the
-read is the placement (``ObjectStore.read_verified_into``), every page object checked present
-first; elsewhere (an accelerator; blocks vLLM splits into kernel blocks) each object goes
+read is the placement (the local object backend's ``LocalBackend.read_verified_into``), every
+page object checked present first; elsewhere (an accelerator; blocks vLLM splits into kernel blocks) each object goes
 through a ring of host buffers (``restore_ring``: read and verified into a slot, then placed,
 at most the ring's slots in host memory at once; on CUDA page-locked and copied on a load
 stream, a synchronous load ordering the forward after it, an asynchronous one read on a loader

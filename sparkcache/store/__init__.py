@@ -3,7 +3,7 @@
 from .identity import Identity, block_key, entry_id_for
 from .maintenance import MaintenanceThread, PassBudget, PassReport, pass_due, run_pass
 from .manifests import Manifest, PageRef
-from .objects import ObjectError
+from .backend import ObjectError
 from .pagestore import PageStore
 from .reasons import Reason
 from .results import (CapacitySnapshot, EntryHandle, LookupResult, PublishResult, ReadResult,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 
+from .backend import ObjectBackend
 from .clocks import FUTURE_SLACK_S
 from .identity import entry_id_for
 from .index import BadManifest, EntryIndex, IndexedEntry, ManifestLimits
@@ -29,10 +30,10 @@ _RESTAMP = 256  # manifests stamped in the future that one refresh re-stamps (th
 
 
 class Catalog:
-    def __init__(self, layout: StoreLayout, alloc_unit: int,
+    def __init__(self, layout: StoreLayout, alloc_unit: int, objects: ObjectBackend,
                  limits: ManifestLimits | None = None) -> None:
         self.layout = layout
-        self.index = EntryIndex(layout, alloc_unit, limits)
+        self.index = EntryIndex(layout, alloc_unit, limits, objects=objects)
         self._future: dict[str, IndexedEntry] = {}  # last accesses stamped ahead, not yet re-stamped
         # this process's hits, stamped by its AccessRecorder: (entry, time), applied by refresh
         self.stamped: collections.deque[tuple[IndexedEntry, float]] = collections.deque()

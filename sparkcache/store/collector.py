@@ -4,6 +4,9 @@ that it alone referenced deleted (a crash never brings back a manifest whose obj
 gone). Objects no manifest or live publication references (crash leftovers) are swept
 shard by shard.
 
+Objects are deleted through the object backend it is given (``delete``; the sweep finds them
+with its ``list``), never by their files.
+
 It owns its state: whether it is draining toward the low watermark, the manifest
 directories with unlinks not yet fsynced, what its units of work recently cost and where
 the next orphan sweep starts. It shares the catalog with ``PageStore`` and receives the
@@ -25,13 +28,13 @@ import threading
 import time
 from typing import Sequence
 
+from .backend import ObjectBackend, ObjectError
 from .catalog import Catalog
 from .clocks import SYSTEM_CLOCK, Clock
 from .index import IndexedEntry
 from .layout import (MANIFEST_SUFFIX, StoreLayout, UnsafePathError, is_identity_digest, parallel_map,
                      sync_all)
 from .locks import exclusive_lock
-from .objects import ObjectStore
 from .pacing import PassClock, UnitCosts
 from .pins import live_pins
 from .results import CapacitySnapshot
@@ -67,7 +70,7 @@ class ViewIncomplete(Exception):
 
 
 class Collector:
-    def __init__(self, layout: StoreLayout, catalog: Catalog, objects: ObjectStore,
+    def __init__(self, layout: StoreLayout, catalog: Catalog, objects: ObjectBackend,
                  lock: threading.RLock) -> None:
         self.layout = layout
         self.catalog = catalog
@@ -269,9 +272,9 @@ class Collector:
             with self.lock:  # one referenced again (a publication reused it) is not garbage
                 batch = [d for d in pending[:_UNLINK_BATCH] if self.catalog.take_deferred(d, protected)]
             pending = pending[_UNLINK_BATCH:]
-            work = lambda: parallel_map(self.objects.remove, batch, "maintenance")  # noqa: E731
+            work = lambda: parallel_map(self._delete, batch, "maintenance")  # noqa: E731
             sizes = clock.run("unlink_batch", work) if clock is not None else work()
-            reclaimed += sum(sizes)
+            reclaimed += sum(size or 0 for size in sizes)
         return reclaimed, True
 
     # ------------------------------------------------------------------ orphans
@@ -305,16 +308,18 @@ class Collector:
         """Unlink (in parallel) the unreferenced objects of one shard; returns their sizes.
         Reads the catalog without ``lock``: no publication claims an object while the gc
         lock is held, and what live ones claimed before is in ``protected``."""
-        garbage = [(digest, size) for digest, size in self.objects.iter_shard(shard)
-                   if self.catalog.is_garbage(digest, protected)]
-        done = parallel_map(lambda item: self._unlink_object(item[0]), garbage, "maintenance")
-        return [size for (_, size), ok in zip(garbage, done) if ok]
+        garbage = [found.digest for found in self.objects.list(shard)
+                   if self.catalog.is_garbage(found.digest, protected)]
+        done = parallel_map(self._delete, garbage, "maintenance")
+        return [size for size in done if size is not None]
 
-    def _unlink_object(self, digest: str) -> bool:
+    def _delete(self, digest: str) -> int | None:
+        """The object's bytes freed (0: it was gone already), or None when it stays (a link or
+        a directory on the way, never followed; a failing disk: verify reports it)."""
         try:
-            return self.layout.unlink(self.layout.object_path(digest))
-        except (OSError, UnsafePathError):
-            return False  # a shard swapped for a link meanwhile: never followed
+            return self.objects.delete(digest)
+        except ObjectError:
+            return None
 
 
 __all__ = ["Collector", "ShardCursor", "ViewIncomplete"]

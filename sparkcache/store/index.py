@@ -28,10 +28,11 @@ import stat
 import time
 from dataclasses import dataclass, field
 
+from .backend import ObjectBackend
 from .identity import Identity
 from .journal import Journal, JournalError, Op, Record
 from .layout import MANIFEST_SUFFIX, StoreLayout, UnsafePathError, allocated, close_quietly, \
-    is_entry_id, is_identity_digest, occupied, open_regular_at
+    is_entry_id, is_identity_digest, open_regular_at
 from .manifests import (HEADER_BYTES, MAX_MANIFEST_BYTES, Manifest, ManifestError, body_matches,
                         decode, header_checksum)
 from .reasons import Reason
@@ -115,12 +116,15 @@ class _DirMark:
 
 class EntryIndex:
     def __init__(self, layout: StoreLayout, alloc_unit: int,
-                 limits: ManifestLimits | None = None, *, whole_bodies: bool = False) -> None:
-        """``whole_bodies`` (``verify``): with a snapshot, every manifest is still read whole
+                 limits: ManifestLimits | None = None, *, objects: ObjectBackend,
+                 whole_bodies: bool = False) -> None:
+        """``objects``: the backend asked what bytes each referenced object occupies (its batch
+        ``exists``). ``whole_bodies`` (``verify``): with a snapshot, every manifest is still read whole
         and its body checked against its header's checksum (any damaged byte is found; only
         the decoding of a body the snapshot decoded is saved)."""
         self.layout = layout
         self.alloc_unit = alloc_unit
+        self.objects = objects
         self.limits = limits
         self.whole_bodies = whole_bodies
         self.journal = Journal(layout)
@@ -158,10 +162,10 @@ class EntryIndex:
         self._pending: collections.deque[Record] = collections.deque()  # read, not applied yet
         self.touched: set[str] = set()  # entries this process touched since the last records
         self._rank0: dict[str, str] = {}  # identity digest -> its digest at tp_rank 0
-        # During a full listing: the object shards' directories, opened without following a
-        # link, so that counting each object's bytes is one call (``occupied``), and the
-        # store's snapshot, if it has one (``snapshot.py``).
-        self._shard_fds: dict[str, int] | None = None
+        # During a full listing: the objects whose bytes the backend is asked at its end, in
+        # one batch (each shard's directory opened once), and the store's snapshot, if it has
+        # one (``snapshot.py``), which says them for most.
+        self._unsized: set[str] | None = None
         self._snapshot: Snapshot | None = None
 
     @property
@@ -191,24 +195,44 @@ class EntryIndex:
                 freed += self.object_size.get(page.digest, 0)
         return freed
 
-    def occupied(self, digest: str) -> int:
-        """Bytes the object ``digest`` occupies on disk (allocated blocks, at most its size
-        rounded up to whole blocks): 0 when it is missing or not a regular file. What a
-        manifest declares is never counted (a bogus 10 TB page costs nothing)."""
-        if self._snapshot is not None:
-            known = self._snapshot.sizes.get(digest)
+    def _count_sizes(self, digests: list[str]) -> None:
+        """Count the bytes the objects ``digests`` occupy on the backend (``ObjectStat``'s
+        ``stored_bytes``: on disk, allocated blocks, at most the size rounded up to whole
+        blocks), 0 for one missing or not a regular file: from the snapshot when it says, else
+        from the backend (during a full listing, at its end). What a manifest declares is never
+        counted (a bogus 10 TB page costs nothing)."""
+        ask = []
+        for digest in digests:
+            known = self._snapshot.sizes.get(digest) if self._snapshot is not None else None
             if known:
-                return known
+                self._set_size(digest, known)
+            elif self._unsized is not None:
+                self._unsized.add(digest)
+            else:
+                ask.append(digest)
+        if ask:
+            self._ask_sizes(ask)
+
+    def _ask_sizes(self, digests: list[str]) -> None:
+        """``_count_sizes`` from the backend's batch ``exists``; when it fails, each object is
+        asked alone, and one that cannot be learned counts 0."""
         try:
-            if self._shard_fds is None:
-                return occupied(self.layout.lstat(self.layout.object_path(digest)), self.alloc_unit)
-            shard = self._shard_fds.get(digest[:2])
-            if shard is None:
-                with self.layout.open_dir(os.path.dirname(self.layout.object_path(digest))) as d:
-                    shard = self._shard_fds[digest[:2]] = os.dup(d.fd)
-            return occupied(os.stat(digest[2:], dir_fd=shard, follow_symlinks=False), self.alloc_unit)
+            held = self.objects.exists(digests)
         except (OSError, UnsafePathError):
-            return 0
+            held = {}
+            for digest in digests:
+                try:
+                    held.update(self.objects.exists((digest,)))
+                except (OSError, UnsafePathError):
+                    continue
+        for digest in digests:
+            if digest in self.refcount:  # still referenced (an entry may have left meanwhile)
+                found = held.get(digest)
+                self._set_size(digest, found.stored_bytes if found is not None else 0)
+
+    def _set_size(self, digest: str, size: int) -> None:
+        self.objects_bytes += size - self.object_size.get(digest, 0)
+        self.object_size[digest] = size
 
     # ------------------------------------------------------------------ mutation
 
@@ -221,15 +245,16 @@ class EntryIndex:
         self.entries[eid] = entry
         self.manifests_bytes += allocated(entry.manifest_bytes, self.alloc_unit)
         refcount, sizes = self.refcount, self.object_size
+        unsized = []
         for page in entry.unique_pages:
             digest = page.digest
             count = refcount.get(digest, 0)
             if count == 0 or not sizes.get(digest):
                 # first reference, or one that was missing when an earlier entry named it
-                size = self.occupied(digest)
-                self.objects_bytes += size - sizes.get(digest, 0)
-                sizes[digest] = size
+                unsized.append(digest)
             refcount[digest] = count + 1
+        if unsized:
+            self._count_sizes(unsized)
         idd = m.identity_digest
         keys = m.block_keys
         self.ends.setdefault(idd, {}).setdefault(keys[-1], set()).add(eid)
@@ -318,7 +343,7 @@ class EntryIndex:
         """Record ``entry``'s last access (from disk, or this process's own touch)."""
         entry.last_access = when
         entry.lru_seq = next(self._seq)
-        if self._shard_fds is not None:  # during a full listing: heapified once at its end
+        if self._unsized is not None:  # during a full listing: heapified once at its end
             self._lru.append((when, entry.lru_seq, entry.entry_id))
             return
         heapq.heappush(self._lru, (when, entry.lru_seq, entry.entry_id))
@@ -569,19 +594,19 @@ class EntryIndex:
                 self.remove(entry_id)
                 self.bad.pop(entry_id, None)
             self._forget_unknown_under(self.layout.identity_dir(gone))
-        self._shard_fds = {}
+        self._unsized = set()
         collecting = gc.isenabled()
         gc.disable()  # the view's (and the snapshot's) many small objects would trigger
         try:          # collections that find nothing
             self._snapshot = read_snapshot(self.layout)
             for idd in dirs:
                 self._list_dir(idd)
+            unsized, self._unsized = self._unsized, None
+            self._ask_sizes(list(unsized))
         finally:
             if collecting:
                 gc.enable()
-            for fd in self._shard_fds.values():
-                close_quietly(fd)
-            self._shard_fds = None
+            self._unsized = None
             heapq.heapify(self._lru)
             self._snapshot = None
         self._listed = not any(not p.endswith((MANIFEST_SUFFIX, _RECENCY)) for p in self.unknown)

@@ -1,62 +1,51 @@
-"""Content-addressed page objects: ``objects/ab/cdef...`` named by the BLAKE3 (256-bit) hash
-of their bytes.
+"""The local filesystem's object backend: ``objects/ab/cdef...``, each named by the BLAKE3
+(256-bit) hash of its bytes (``backend.ObjectBackend``; its puts: ``local_puts.py``).
 
-Reads are always verified: the bytes are re-hashed and compared with the name. BLAKE3 is a
-cryptographic hash like sha256 but several times faster per core (docs/RESULTS.md,
-"Measurements behind the code"); verifying every restored byte is what a restore pays over an
-unverified one. A missing
-object or one shorter than its recorded size is ``absent``; wrong bytes, a wrong size, a
-symlink or a non-regular file is ``corrupt``. Neither ever returns bytes.
+Reads are always verified: the bytes are re-hashed and compared with the name, or with the
+XXH3-128 their manifest records. BLAKE3 is a cryptographic hash like sha256 but several times
+faster per core (docs/RESULTS.md, "Measurements behind the code"); verifying every restored
+byte is what a restore pays over an unverified one. A missing object or one shorter than its
+recorded size is ``absent``; wrong bytes, a wrong size, a symlink or a non-regular file is
+``corrupt``. Neither ever returns bytes.
+
+Besides the interface, the local backend has doors of its own: the restore's hot path
+(``read_verified_into`` and ``read_many_verified_into``: ``preadv`` straight into the
+caller's buffers, hashed as they land, one reader per CPU), a check that re-hashes without
+keeping the bytes (``check_verified``), the removal of a corrupt object (``discard_corrupt``)
+and what ``verify`` walks (``check_all``, ``survey``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import re
 import stat
 import threading
 from collections import deque
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
 
 import blake3
 import xxhash
 
+from .backend import (ObjectError, ObjectStat, TempFiles, check_checksum, check_hash, checksum_of,
+                      digest_of, hasher_for, name_and_checksum)
+from .layout import (StoreLayout, UnsafePathError, close_quietly, file_kind, is_object_digest, occupied,
+                     open_regular_at, parallel_map, per_cpu_map, pool_cpus)
+from .local_puts import LocalPutBatch
 from .manifests import PageRef
 from .reasons import Reason
-from .layout import (StoreLayout, UnsafePathError, close_quietly, occupied, open_regular_at, parallel_map,
-                     per_cpu_map, pool_cpus, start_writeback, sync_all, write_all)
-
-
-class ObjectError(Exception):
-    """A page object failed verification. ``reason`` is ``absent``, ``corrupt`` or
-    ``io_error`` (it could not be read: EIO, EACCES)."""
-
-    def __init__(self, reason: Reason, digest: str, detail: str) -> None:
-        super().__init__(f"object {digest}: {reason}: {detail}")
-        self.reason = Reason(reason)
-        self.digest = digest
-        self.detail = detail
-
-
-def digest_of(data: bytes | memoryview) -> str:
-    """The object name for ``data``: its BLAKE3 hash, 64 lower-case hex characters."""
-    return blake3.blake3(data).hexdigest()
-
-
-def checksum_of(data: bytes | memoryview) -> str:
-    """What a restore checks ``data`` against: its XXH3-128, 32 lower-case hex characters."""
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def name_and_checksum(data: bytes | memoryview) -> tuple[str, str]:
-    """``(digest_of(data), checksum_of(data))``: what a publication records for an object."""
-    return digest_of(data), checksum_of(data)
-
 
 _HASH_CHUNK = 8 << 20  # check_verified reads and hashes this much at a time
+_HEX_PREFIX = re.compile(r"[0-9a-f]{0,64}")
 
 
-class ObjectStore:
+class LocalBackend:
+    """The object backend on the store's own filesystem (``backend.ObjectBackend``), with the
+    local doors the module docstring lists."""
+
     def __init__(self, layout: StoreLayout, alloc_unit: int = 4096) -> None:
         self.layout = layout
         self.alloc_unit = alloc_unit
@@ -64,46 +53,104 @@ class ObjectStore:
     def path(self, digest: str) -> str:
         return self.layout.object_path(digest)
 
-    def check_present(self, digest: str, size: int) -> None:
-        """Cheap check (no read): exists, regular, not a symlink, recorded size."""
-        try:
-            st = self.layout.lstat(self.path(digest))
-        except UnsafePathError as exc:
-            raise ObjectError(Reason.CORRUPT, digest, str(exc)) from None
-        except FileNotFoundError:
-            raise ObjectError(Reason.ABSENT, digest, "missing") from None
-        except OSError as exc:
-            raise ObjectError(Reason.IO_ERROR, digest, str(exc)) from None
-        _check_stat(digest, st, size)
+    # ------------------------------------------------------------------ the interface
 
-    def read_verified(self, digest: str, size: int, checksum: str | None = None) -> bytearray:
-        """The object's bytes, checked against ``checksum`` (its XXH3-128, as its manifest
+    def exists(self, digests: Iterable[str]) -> dict[str, ObjectStat]:
+        """The regular files among ``digests``' objects (a link or another kind of file there
+        is absent: a put replaces it), each shard opened once. A shard that is a link is
+        ``UnsafePathError``; one that cannot be read, an ``OSError`` naming the object."""
+        by_shard: dict[str, list[str]] = {}
+        for digest in digests:
+            self.path(digest)  # UnsafePathError for a name that is not a digest
+            by_shard.setdefault(digest[:2], []).append(digest)
+        found: dict[str, ObjectStat] = {}
+        for shard, names in by_shard.items():
+            with self._shard_dir(shard, names[0]) as fd:
+                for digest in names if fd is not None else ():
+                    try:
+                        st = os.stat(digest[2:], dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as exc:
+                        raise _unreadable(exc, digest, self.path(digest)) from None
+                    if stat.S_ISREG(st.st_mode):
+                        found[digest] = ObjectStat(digest, st.st_size, occupied(st, self.alloc_unit))
+        return found
+
+    def put_batch(self, temps: TempFiles) -> LocalPutBatch:
+        """Puts through temp files named by ``temps`` (``local_puts.LocalPutBatch``)."""
+        return LocalPutBatch(self.layout, temps)
+
+    def get(self, ref: PageRef) -> bytearray:
+        """The object's bytes, checked against ``ref.checksum`` (its XXH3-128, as its manifest
         records it) or, without one, re-hashed against its BLAKE3 name; raises ``ObjectError``
         rather than return bad bytes.
         Read with system calls into one buffer (no mapping: an I/O error or a file truncated
         under the reader is an ``ObjectError``, never a SIGBUS, and no descriptor outlives
         the call)."""
-        data = bytearray(size)
-        self.read_verified_into(PageRef(digest, size, checksum), [memoryview(data)])
+        data = bytearray(ref.size)
+        self.read_verified_into(ref, [memoryview(data)])
         return data
+
+    def list(self, prefix: str = "") -> list[ObjectStat]:
+        """The objects (regular files named by a digest) whose names start with ``prefix``.
+        A shard that cannot be listed (a link or a file in its place, EIO) lists as empty:
+        ``verify`` reports it."""
+        if not _HEX_PREFIX.fullmatch(prefix):
+            raise UnsafePathError(f"object prefix {prefix!r} is not lower-case hex of at most 64 "
+                                  "characters; pass a digest's first characters")
+        shards = [prefix[:2]] if len(prefix) >= 2 else [
+            name for name in self._listing(self.layout.objects_dir) if name.startswith(prefix)]
+        out = []
+        for shard in shards:
+            for name, st in self._files(shard):
+                digest = shard + name
+                if stat.S_ISREG(st.st_mode) and is_object_digest(digest) and digest.startswith(prefix):
+                    out.append(ObjectStat(digest, st.st_size, occupied(st, self.alloc_unit)))
+        return out
+
+    def delete(self, digest: str) -> int:
+        """Delete an object; returns the bytes it occupied (0 if it was already gone). A
+        directory or a link on the way stays (``ObjectError``, ``corrupt``: verify reports
+        it), as does one the filesystem refuses to remove (``io_error``)."""
+        path = self.path(digest)
+        try:
+            size = occupied(self.layout.lstat(path), self.alloc_unit)
+            return size if self.layout.unlink(path) else 0
+        except FileNotFoundError:
+            return 0
+        except (UnsafePathError, IsADirectoryError) as exc:
+            raise ObjectError(Reason.CORRUPT, digest, f"not a file the store can remove: {exc}", path) from None
+        except OSError as exc:
+            raise ObjectError(Reason.IO_ERROR, digest, f"cannot be removed: {exc}", path) from None
+
+    # ------------------------------------------------------------------ the restore's reads
+
+    def check_present(self, digest: str, size: int) -> None:
+        """Cheap check (no read): exists, regular, not a symlink, recorded size."""
+        path = self.path(digest)
+        try:
+            st = self.layout.lstat(path)
+        except (OSError, UnsafePathError) as exc:
+            raise _not_looked_at(exc, digest, path) from None
+        _check_stat(digest, st, size, path)
 
     def read_verified_into(self, ref: PageRef, views: Sequence[memoryview]) -> None:
         """Read the object ``ref`` names into ``views`` (writable byte buffers whose sizes add
         up to ``ref.size``), in order, with as few ``preadv`` calls as the system's iovec
-        limit allows, then check those bytes as ``read_verified`` does. On an ``ObjectError``
+        limit allows, then check those bytes as ``get`` does. On an ``ObjectError``
         the views may hold unverified bytes: the caller must not use them (a restore reports
         its blocks to vLLM as not loaded)."""
         if sum(v.nbytes for v in views) != ref.size:
             raise ValueError(f"views of {sum(v.nbytes for v in views)} bytes for an object of {ref.size}")
-        hasher = blake3.blake3() if ref.checksum is None else xxhash.xxh3_128()
-        fd = self._open_checked(ref.digest, ref.size)
+        hasher = hasher_for(ref)
+        path = self.path(ref.digest)
+        fd = self._open_checked(ref.digest, ref.size, path=path)
         try:
-            _read_exactly_into(fd, ref.digest, ref.size, views, hasher.update)
+            _read_exactly_into(fd, ref, views, hasher.update, path)
         finally:
             close_quietly(fd)
-        if ref.checksum is None and hasher.hexdigest() != ref.digest:
-            raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match their BLAKE3 name")
-        _check_checksum(ref, hasher.hexdigest())
+        check_hash(ref, hasher.hexdigest(), path)
 
     def read_many_verified_into(self, refs: list, views_of: Callable[[int], Sequence[memoryview]]) -> None:
         """``read_verified_into(refs[i], views_of(i))`` for every page: one run of consecutive
@@ -139,61 +186,59 @@ class ObjectStore:
         per_cpu_map(int, [0] * len(pool_cpus("io")))
 
     def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:
-        """``read_verified`` without keeping the bytes: hashed (BLAKE3, against the name) a
-        chunk at a time, so a page of any recorded size (a sparse file of 64 GiB included)
-        costs bounded memory. Returns the bytes' XXH3-128, for the caller to compare with what
-        manifests record. ``shard_fd``: its shard directory, open (a sweep of many objects)."""
-        fd = self._open_checked(digest, size, shard_fd)
+        """``get`` without keeping the bytes: hashed (BLAKE3, against the name) a chunk at a
+        time, so a page of any recorded size (a sparse file of 64 GiB included) costs bounded
+        memory. Returns the bytes' XXH3-128, for the caller to compare with what manifests
+        record. ``shard_fd``: its shard directory, open (a sweep of many objects)."""
+        path = self.path(digest)
+        fd = self._open_checked(digest, size, shard_fd, path=path)
         try:
             hasher, checksum, got = blake3.blake3(), xxhash.xxh3_128(), 0
             while got < size:
                 try:
                     chunk = os.read(fd, min(_HASH_CHUNK, size - got))
                 except OSError as exc:
-                    raise ObjectError(Reason.IO_ERROR, digest, f"read failed at {got}/{size}: {exc}") from None
+                    raise ObjectError(Reason.IO_ERROR, digest, f"read failed at {got}/{size}: {exc}", path) from None
                 if not chunk:
-                    raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}")
+                    raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}", path)
                 hasher.update(chunk)
                 checksum.update(chunk)
                 got += len(chunk)
         finally:
             close_quietly(fd)
-        if hasher.hexdigest() != digest:
-            raise ObjectError(Reason.CORRUPT, digest, "bytes do not match their BLAKE3 name")
+        check_hash(PageRef(digest, size), hasher.hexdigest(), path)
         return checksum.hexdigest()
 
     def check_ref(self, ref: PageRef) -> None:
         """``check_verified`` of the object ``ref`` names, and its bytes against the XXH3-128
         ``ref`` records (when it records one): what a restore of it would find."""
-        _check_checksum(ref, self.check_verified(ref.digest, ref.size))
+        check_checksum(ref, self.check_verified(ref.digest, ref.size), self.path(ref.digest))
 
-    def _open_checked(self, digest: str, size: int, shard_fd: int | None = None) -> int:
-        """An fd of the object, opened without following links, with its size checked."""
+    def _open_checked(self, digest: str, size: int, shard_fd: int | None = None, *,
+                      path: str | None = None) -> int:
+        """An fd of the object (at ``path``, its path when known), opened without following
+        links, with its size checked."""
+        path = path or self.path(digest)
         try:
             if shard_fd is None:
-                fd = self.layout.open_file(self.path(digest), os.O_RDONLY)
+                fd = self.layout.open_file(path, os.O_RDONLY)
             else:
-                fd = open_regular_at(shard_fd, digest[2:], self.path(digest), os.O_RDONLY)
-        except UnsafePathError as exc:
-            raise ObjectError(Reason.CORRUPT, digest, str(exc)) from None
-        except FileNotFoundError:
-            raise ObjectError(Reason.ABSENT, digest, "missing") from None
-        except OSError as exc:
-            raise ObjectError(Reason.IO_ERROR, digest, str(exc)) from None
+                fd = open_regular_at(shard_fd, digest[2:], path, os.O_RDONLY)
+        except (OSError, UnsafePathError) as exc:
+            raise _not_looked_at(exc, digest, path) from None
         try:
-            _check_stat(digest, os.fstat(fd), size)
+            _check_stat(digest, os.fstat(fd), size, path)
         except ObjectError:
             close_quietly(fd)
             raise
         return fd
 
     def read_many_verified(self, refs: list, *, parallel: bool = True) -> list[bytearray]:
-        """``read_verified`` for several pages (each checked against its ref's checksum), in
-        parallel threads (reads and hashing release the GIL), or with ``parallel=False`` on the
+        """``get`` for several pages (each checked against its ref's checksum), in parallel
+        threads (reads and hashing release the GIL), or with ``parallel=False`` on the
         calling thread, one after the other (for a caller whose cores are busy anyway: see
         ``WorkerSide``). Raises the first ``ObjectError`` in page order."""
-        return _each_in_parallel(lambda ref: self.read_verified(ref.digest, ref.size, ref.checksum), refs,
-                                 parallel=parallel)
+        return _each_in_parallel(self.get, refs, parallel=parallel)
 
     def check_many_present(self, refs: list) -> None:
         """``check_present`` for several pages, in parallel threads when there are many (a
@@ -204,59 +249,7 @@ class ObjectStore:
         _each_in_parallel(lambda ref: self.check_present(ref.digest, ref.size), refs,
                           parallel=len(refs) > _SERIAL_CHECK_PAGES)
 
-    def exists_with_size(self, digest: str, size: int) -> bool:
-        """Whether a regular file of ``size`` bytes holds ``digest`` (not re-hashed). A link
-        or wrong file kind there is ``UnsafePathError`` on a shard that is one, else False,
-        and the publisher's rename replaces it."""
-        try:
-            st = self.layout.lstat(self.path(digest))
-        except FileNotFoundError:
-            return False
-        return stat.S_ISREG(st.st_mode) and st.st_size == size
-
-    def write(self, digest: str, data: bytes | memoryview, tmp_path: str) -> str:
-        """Write one object durably (temp, fdatasync, rename). Returns its shard directory,
-        which the caller fsyncs."""
-        return next(iter(self.write_many([(digest, data, tmp_path)])))
-
-    def write_many(self, items: list[tuple[str, bytes | memoryview, str]]) -> set[str]:
-        """Write several objects: all temp files first, then one parallel round of
-        fdatasync (the journal commits them together), then the renames. Returns the shard
-        directories to fsync. Temp files are left for the caller's staging to remove on error."""
-        fds: list[int] = []
-        try:
-            for _, data, tmp_path in items:
-                fd = self.layout.open_file(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-                fds.append(fd)
-                write_all(fd, data)
-                start_writeback(fd)  # the disk works while we write the next object
-            sync_all(os.fdatasync, fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return self.place([(digest, tmp_path) for digest, _, tmp_path in items])
-
-    def place(self, synced: list[tuple[str, str]]) -> set[str]:
-        """Rename durable temp files (``(digest, temp path)``) to their object paths, making
-        shard directories as needed. Returns the shard directories, which the caller fsyncs."""
-        shards: set[str] = set()
-        for digest, tmp_path in synced:
-            final = self.path(digest)
-            self.layout.rename(tmp_path, final, create_dirs=True)
-            shards.add(os.path.dirname(final))
-        return shards
-
-    def remove(self, digest: str) -> int:
-        """Delete an object; returns the bytes it occupied (0 if it was already gone)."""
-        path = self.path(digest)
-        try:
-            size = occupied(self.layout.lstat(path), self.alloc_unit)
-            self.layout.unlink(path)
-            return size
-        except FileNotFoundError:
-            return 0
-        except (OSError, UnsafePathError):
-            return 0  # a directory or an unsafe shard: left in place, verify reports it
+    # ------------------------------------------------------------------ repair and verify
 
     def discard_corrupt(self, digest: str, size: int) -> bool:
         """Remove an object that fails verification as ``corrupt`` (wrong bytes or size, a
@@ -279,14 +272,119 @@ class ObjectStore:
         except (UnsafePathError, OSError):
             return False
 
-    def iter_shard(self, shard: str) -> list[tuple[str, int]]:
-        """(digest, bytes occupied) of the regular files in one shard directory (``"ab"``)."""
+    def check_all(self, sizes: dict[str, int]) -> Iterator[tuple[str, str | ObjectError]]:
+        """``check_verified`` of every object ``sizes`` names (digest -> recorded size), in
+        digest order, each shard's directory opened once: (digest, the bytes' XXH3-128 or the
+        ``ObjectError`` that refused them)."""
+        for shard, digests in itertools.groupby(sorted(sizes), key=lambda d: d[:2]):
+            digests = list(digests)
+            try:
+                with self._shard_dir(shard, digests[0]) as shard_fd:
+                    for digest in digests:
+                        try:
+                            yield digest, self.check_verified(digest, sizes[digest], shard_fd)
+                        except ObjectError as exc:
+                            yield digest, exc
+            except (OSError, UnsafePathError):  # each object then opened by its path says why
+                for digest in digests:
+                    try:
+                        yield digest, self.check_verified(digest, sizes[digest])
+                    except ObjectError as exc:
+                        yield digest, exc
+
+    def survey(self, referenced: set[str]) -> "Survey":
+        """What lies under ``objects/`` besides the objects ``referenced``: how many regular
+        files no entry references (orphans, which maintenance collects), and every path the
+        store cannot use (a file where a shard belongs, a link or FIFO among the objects, a
+        directory that cannot be listed), with what to do."""
+        orphans, unsafe = 0, []
+        shards, error = self._kinds(self.layout.objects_dir)
+        if error:
+            unsafe.append((self.layout.objects_dir, error))
+        for shard, kind in shards:
+            shard_path = os.path.join(self.layout.objects_dir, shard)
+            if kind != "directory":
+                unsafe.append((shard_path, f"a {kind} where a shard directory belongs; the store "
+                               "never follows it: remove it"))
+                continue
+            files, error = self._kinds(shard_path)
+            if error:
+                unsafe.append((shard_path, error))
+            for name, kind in files:
+                if shard + name in referenced:
+                    continue  # a referenced one that is not a regular file is reported as an object
+                if kind != "file":
+                    unsafe.append((os.path.join(shard_path, name), f"a {kind}, not a regular file; "
+                                   "the store never follows links: remove it"))
+                else:
+                    orphans += 1
+        return Survey(orphans, tuple(unsafe))
+
+    # ------------------------------------------------------------------ directories
+
+    @contextlib.contextmanager
+    def _shard_dir(self, shard: str, digest: str) -> Iterator[int | None]:
+        """The shard directory of ``digest`` open (one walk for all its objects), or None when
+        it does not exist. A link in its place is ``UnsafePathError``; one that cannot be
+        opened, an ``OSError`` naming ``digest``."""
         try:
-            found = self.layout.scandir_files(os.path.join(self.layout.objects_dir, shard))
+            handle = self.layout.open_dir(os.path.join(self.layout.objects_dir, shard))
+        except FileNotFoundError:
+            yield None
+            return
+        except OSError as exc:
+            raise _unreadable(exc, digest, self.path(digest)) from None
+        with handle as d:
+            yield d.fd
+
+    def _listing(self, path: str) -> list[str]:
+        """Names in a store directory; [] when it cannot be listed safely (verify reports it)."""
+        try:
+            return self.layout.listdir(path)
         except (OSError, UnsafePathError):
-            return []  # a link or a file in place of the shard: verify reports it
-        return [(shard + name, occupied(st, self.alloc_unit)) for name, st in found
-                if stat.S_ISREG(st.st_mode)]
+            return []
+
+    def _files(self, shard: str) -> list[tuple[str, os.stat_result]]:
+        """(name, lstat) of a shard's entries; [] when it cannot be listed safely."""
+        try:
+            return self.layout.scandir_files(os.path.join(self.layout.objects_dir, shard))
+        except (OSError, UnsafePathError):
+            return []
+
+    def _kinds(self, path: str) -> tuple[list[tuple[str, str]], str]:
+        """((name, kind) of a directory's entries, sorted; "") or ([], why) when it cannot be
+        listed safely."""
+        try:
+            found = self.layout.scandir_files(path)
+        except (OSError, UnsafePathError) as exc:
+            return [], f"cannot be listed safely: {exc}"
+        return sorted((name, file_kind(st.st_mode)) for name, st in found), ""
+
+
+@dataclass(frozen=True)
+class Survey:
+    """``LocalBackend.survey``: orphan objects, and (path, what to do) for each path under
+    ``objects/`` the store cannot use."""
+
+    orphans: int
+    unsafe: tuple[tuple[str, str], ...]
+
+
+def _not_looked_at(exc: OSError | UnsafePathError, digest: str, path: str) -> ObjectError:
+    """What a failure to look at or open an object means: a link or another kind of file on
+    the way is ``corrupt``, nothing there ``absent``, anything else ``io_error``."""
+    if isinstance(exc, UnsafePathError):
+        return ObjectError(Reason.CORRUPT, digest, str(exc), path)
+    if isinstance(exc, FileNotFoundError):
+        return ObjectError(Reason.ABSENT, digest, "missing", path)
+    return ObjectError(Reason.IO_ERROR, digest, str(exc), path)
+
+
+def _unreadable(exc: OSError, digest: str, path: str) -> OSError:
+    """``exc`` (its errno kept: what ``results.os_failure`` reads) with a message naming the
+    object and where it is."""
+    return type(exc)(exc.errno, f"object {digest} ({path}) cannot be looked at: {exc.strerror}; check "
+                     "the disk and the store's permissions")
 
 
 _SERIAL_CHECK_PAGES = 8  # check_many_present: up to this many pages on the calling thread
@@ -314,13 +412,13 @@ _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _READ_BATCH = 512 << 10  # bytes one preadv reads at most: hashed next, while still in the core's cache
 
 
-def _read_exactly_into(fd: int, digest: str, size: int, views: Sequence[memoryview],
-                       hash_update: Callable[[memoryview], object]) -> None:
-    """``size`` bytes from the start of ``fd`` into ``views`` in order, each read handed to
-    ``hash_update`` right after it (in byte order): a short file is ``absent``, a failing
-    read ``io_error``."""
+def _read_exactly_into(fd: int, ref: PageRef, views: Sequence[memoryview],
+                       hash_update: Callable[[memoryview], object], path: str) -> None:
+    """``ref.size`` bytes from the start of ``fd`` (the object at ``path``) into ``views`` in
+    order, each read handed to ``hash_update`` right after it (in byte order): a short file is
+    ``absent``, a failing read ``io_error``."""
     todo = deque(v for v in views if v.nbytes)
-    got = 0
+    got, size = 0, ref.size
     while todo:
         batch, room = [], _READ_BATCH
         for v in itertools.islice(todo, _IOV_MAX):
@@ -331,9 +429,9 @@ def _read_exactly_into(fd: int, digest: str, size: int, views: Sequence[memoryvi
         try:
             n = os.preadv(fd, batch, got)
         except (OSError, MemoryError) as exc:
-            raise ObjectError(Reason.IO_ERROR, digest, f"read failed at {got}/{size}: {exc!r}") from None
+            raise ObjectError(Reason.IO_ERROR, ref.digest, f"read failed at {got}/{size}: {exc!r}", path) from None
         if n == 0:
-            raise ObjectError(Reason.ABSENT, digest, f"truncated while reading at {got}/{size}")
+            raise ObjectError(Reason.ABSENT, ref.digest, f"truncated while reading at {got}/{size}", path)
         got += n
         while n:  # hash and drop what was filled; a view filled in part goes on from where it stopped
             head = todo[0]
@@ -346,18 +444,15 @@ def _read_exactly_into(fd: int, digest: str, size: int, views: Sequence[memoryvi
                 todo[0], n = head[n:], 0
 
 
-def _check_checksum(ref: PageRef, actual: str) -> None:
-    """``corrupt`` when ``ref`` records an XXH3-128 and ``actual`` is another."""
-    if ref.checksum is not None and actual != ref.checksum:
-        raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match the XXH3-128 their manifest records")
-
-
-def _check_stat(digest: str, st: os.stat_result, size: int) -> None:
+def _check_stat(digest: str, st: os.stat_result, size: int, path: str) -> None:
     if stat.S_ISLNK(st.st_mode):
-        raise ObjectError(Reason.CORRUPT, digest, "is a symlink; the store never follows symlinks")
+        raise ObjectError(Reason.CORRUPT, digest, "is a symlink; the store never follows symlinks", path)
     if not stat.S_ISREG(st.st_mode):
-        raise ObjectError(Reason.CORRUPT, digest, "not a regular file")
+        raise ObjectError(Reason.CORRUPT, digest, "not a regular file", path)
     if st.st_size < size:
-        raise ObjectError(Reason.ABSENT, digest, f"truncated: {st.st_size} of {size} bytes present")
+        raise ObjectError(Reason.ABSENT, digest, f"truncated: {st.st_size} of {size} bytes present", path)
     if st.st_size > size:
-        raise ObjectError(Reason.CORRUPT, digest, f"{st.st_size} bytes, manifest records {size}")
+        raise ObjectError(Reason.CORRUPT, digest, f"{st.st_size} bytes, manifest records {size}", path)
+
+
+__all__ = ["LocalBackend", "ObjectError", "Survey", "checksum_of", "digest_of", "name_and_checksum"]

@@ -1,16 +1,19 @@
 """PageStore: publish, look up and read identity-bound, verified, copy-on-write entries.
 
-Publication order (crash-safe): declare objects in a locked intent -> write missing page
-objects (temp, fdatasync, rename) -> fsync their directories -> write the manifest (temp,
-fdatasync, rename) -> fsync its directory -> drop the intent. A crash at any point leaves
-either the complete entry or no entry; the leftovers are collected later.
+Publication order (crash-safe): declare objects in a locked intent -> put missing page
+objects through the backend (temp, fdatasync, rename unless present) -> fsync their
+directories -> write the manifest (temp, fdatasync, rename) -> fsync its directory -> drop
+the intent. A crash at any point leaves either the complete entry or no entry; the leftovers
+are collected later.
 
-The store is three parts behind this one way in: the object backend (``objects``: durable
-put, verified get, list, remove), the catalog (``catalog``: the manifests and their
-in-memory index) and the collector (``collector``: eviction, deferred deletions, the orphan
-sweep, with its own state). Several processes may share one root; the cross-process rules
-live in ``locks``, ``staging`` and ``pins``. Inside one process, ``_mutex`` guards the
-catalog; the collector receives it.
+The store is three parts behind this one way in: the object backend (``objects``, a
+``LocalBackend``: put-if-absent, verified get, batch exists, list, delete, and the restore's
+reads straight into buffers), the catalog (``catalog``: the manifests and their in-memory
+index) and the collector (``collector``: eviction, deferred deletions, the orphan sweep,
+with its own state). Each part, and each publication's ``PublicationWriter``, receives the
+parts it uses (the layout, the backend, the staging, the lock), never the store. Several
+processes may share one root; the cross-process rules live in ``locks``, ``staging`` and
+``pins``. Inside one process, ``_mutex`` guards the catalog; the collector receives it.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .accesses import AccessRecorder
+from .backend import ObjectError
 from .catalog import Catalog
 from .clocks import SYSTEM_CLOCK, Clock
 from .collector import Collector
@@ -29,7 +33,7 @@ from .index import BadManifest, IndexedEntry, ManifestLimits
 from .layout import StoreLayout, UnsafePathError, allocated
 from .locks import PIN_WAIT_S, PUBLISH_WAIT_S, shared_lock
 from .manifests import Manifest, PageRef, encode, pages_needed
-from .objects import ObjectError, ObjectStore
+from .objects import LocalBackend
 from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
 from .reasons import Reason
@@ -52,13 +56,16 @@ class PageStore:
     def __init__(self, root: str, *, namespace: str = "default", max_bytes: int = 40 << 30,
                  low_watermark_bytes: int = 32 << 30, lease_seconds: float = 300.0,
                  ttl_seconds: float = 0.0, page_blocks: int = 16,
-                 read_only: bool = False, min_free_bytes: int = 0) -> None:
+                 read_only: bool = False, min_free_bytes: int = 0,
+                 backend: Callable[[StoreLayout, int], LocalBackend] = LocalBackend) -> None:
         """A writer recovers dead publications on open, and joins the store's writers: one
         whose cap (``max_bytes``, ``low_watermark_bytes``) differs from the live writers' is
         refused with a ``SettingsError`` (``writers.py``). ``read_only``: a reader that writes
         nothing under the root (restore-only, the CLI's status and inspect; works on a
         read-only mount): no directories made, no recovery, lookups neither record the
-        access nor pin (a lease is None), publishing refused."""
+        access nor pin (a lease is None), publishing refused. ``backend``: makes the object
+        backend from the layout and the filesystem's allocation unit (a test passes a
+        ``LocalBackend`` subclass that records what goes through it)."""
         def check(name: str, value: object, **bounds: object) -> None:  # NaN, inf, -1: refused
             check_number("PageStore", name, value, setting="SPARKCACHE_" + name.upper(), **bounds)
 
@@ -74,7 +81,7 @@ class PageStore:
         # every writer of the store uses one cap (SettingsError otherwise; writers.py)
         self._claim = None if read_only else claim_writer(self.layout, max_bytes, low_watermark_bytes)
         unit = os.statvfs(self.layout.base).f_frsize or 4096
-        self.objects = ObjectStore(self.layout, unit)
+        self.objects = backend(self.layout, unit)
         self.max_bytes = max_bytes
         self.low_watermark_bytes = low_watermark_bytes
         self.min_free_bytes = min_free_bytes  # free-space floor of the filesystem (0: none)
@@ -82,7 +89,7 @@ class PageStore:
         self.lease_seconds = lease_seconds
         self.ttl_seconds = ttl_seconds
         self.page_blocks = page_blocks
-        self.catalog = Catalog(self.layout, unit, ManifestLimits.for_store(max_bytes, unit))
+        self.catalog = Catalog(self.layout, unit, self.objects, ManifestLimits.for_store(max_bytes, unit))
         self._mutex = threading.RLock()
         self.collector = Collector(self.layout, self.catalog, self.objects, self._mutex)
         self.accesses = AccessRecorder(self.layout, self.catalog.index.journal, self.catalog.stamped)
@@ -200,7 +207,7 @@ class PageStore:
         if too_much is not None:
             return self._failed(Reason.OVER_CAPACITY, started, entry_id, too_much)
         staging = Staging(self.layout)
-        writer = PublicationWriter(self, staging)
+        writer = PublicationWriter(self.layout, self.objects, staging)
         try:
             staging.open()
             refs = writer.write_pages(stream, reused_refs)
@@ -226,8 +233,8 @@ class PageStore:
         finally:
             writer.close()
             staging.close()
-        written = sum(1 for r in refs if r.digest in writer.written_digests)
-        bytes_written = writer.bytes_written
+        written = sum(1 for r in refs if r.digest in writer.receipt.written)
+        bytes_written = writer.receipt.bytes_written
         with self._mutex:
             self.catalog.add_published(idd, entry_id)
             self.free_wanted = 0
@@ -350,7 +357,7 @@ class PageStore:
 
     def read_pages_into(self, refs: Sequence[PageRef], views_of) -> None:
         """Page objects read straight into buffers and verified there: ``views_of(i)`` gives
-        the writable buffers of ``refs[i]``, in order (``ObjectStore.read_verified_into``).
+        the writable buffers of ``refs[i]``, in order (``LocalBackend.read_verified_into``).
         Every object is checked present first, so an entry evicted before the restore writes
         nothing; an ``ObjectError`` while reading (one evicted during it included) leaves
         unverified bytes in the buffers, which the caller must not use."""
@@ -363,11 +370,11 @@ class PageStore:
 
     def read_page_into(self, ref: PageRef, buffer: memoryview) -> None:
         """One page object read into ``buffer`` (its exact size) and verified there
-        (``ObjectStore.read_verified_into``); an ``ObjectError`` leaves unverified bytes."""
+        (``LocalBackend.read_verified_into``); an ``ObjectError`` leaves unverified bytes."""
         self.objects.read_verified_into(ref, [buffer])
 
     def start_readers(self) -> None:
-        """Start the threads restores read on now (``ObjectStore.start_readers``)."""
+        """Start the threads restores read on now (``LocalBackend.start_readers``)."""
         self.objects.start_readers()
 
     def discard_corrupt(self, digest: str, size: int) -> bool:

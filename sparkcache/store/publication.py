@@ -2,37 +2,36 @@
 few journal commits as the crash-safety order allows.
 
 Order (each step durable before the next makes anything visible):
-  1. pages are hashed on the I/O pool while this thread writes the pages already hashed:
-     per page, under the shared gc lock, its digest is declared in the intent and the object
-     is looked up; a missing one is written to a temp file and its write-back is started
-     (at most ``_WRITEBACK_WINDOW`` bytes in flight, so the device queue this builds, which
-     every other reader, writer and discarding unlink waits behind, stays short);
-  2. the manifest (it only needs the digests) is written to a temp file too, and one
-     parallel round of fdatasync makes every temp file durable (one journal commit);
-  3. the objects are renamed into place and their shard directories fsynced;
+  1. pages are hashed on the I/O pool while this thread hands the pages already hashed to
+     the object backend's put batch: per page, under the shared gc lock, its digest is
+     declared in the intent and the backend is asked whether it holds the object; a missing
+     one is added to the batch (``local_puts.py``: a temp file of this publication's staging,
+     its write-back started, a sync round every so many);
+  2. the manifest (it only needs the digests) is written to a temp file too, and its
+     fdatasync runs beside the batch's last round (one journal commit);
+  3. the batch's flush returns once every object is durable and in place (their shard
+     directories fsynced);
   4. only then is the manifest renamed into place and its directory fsynced.
 A crash before 4 leaves no manifest (the temp files and renamed objects are garbage that
 recovery and maintenance collect); after 4 the entry is complete.
+
+The writer takes the parts it uses: the store's layout (the manifest's files, the gc lock),
+the object backend and the publication's staging; never the whole store.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from concurrent.futures import wait
+from typing import Callable, Iterator
 
-from .layout import (close_quietly, parallel_imap, start_writeback, sync_all, wait_writeback,
-                     write_all)
+from .backend import NewObject, ObjectBackend, PutReceipt
+from .layout import StoreLayout, close_quietly, parallel_imap, submit, write_all
 from .locks import PUBLISH_WAIT_S, shared_lock
 from .manifests import PageRef
-from .objects import name_and_checksum
 from .staging import Staging
 from .streams import PageSourceError, PageStream
 
-if TYPE_CHECKING:
-    from .pagestore import PageStore
-
-_SYNC_BATCH = 64  # temp files written before a round of fdatasync + renames
-_WRITEBACK_WINDOW = 8 << 20  # bytes of started write-back a publication keeps in flight
 _PARALLEL_HASH_BYTES = 1 << 20  # hash pages on the pool above this much data
 
 
@@ -41,38 +40,36 @@ class BaseObjectGone(Exception):
 
 
 class PublicationWriter:
-    """Writes the objects of one publication into ``store`` through ``staging``."""
+    """Writes the objects of one publication to ``objects`` and its manifest under
+    ``layout``, through ``staging``."""
 
-    def __init__(self, store: PageStore, staging: Staging) -> None:
-        self.store = store
+    def __init__(self, layout: StoreLayout, objects: ObjectBackend, staging: Staging) -> None:
+        self.layout = layout
+        self.objects = objects
         self.staging = staging
-        self.written_digests: set[str] = set()
-        self.bytes_written = 0
-        self._open: list[tuple[int, str, str]] = []  # (fd, digest, temp path)
-        self._in_flight: list[tuple[int, int]] = []  # (fd, bytes) with write-back started
+        self.batch = objects.put_batch(staging)
+        self.receipt = PutReceipt()  # what the batch put, once committed
 
     def write_pages(self, stream: PageStream, reused: dict[int, PageRef]) -> list[PageRef]:
-        """Hash and write the pages of ``stream`` a chunk at a time (a page given as None:
-        the ``reused`` ref at that index). Returns the manifest's page refs in order. The last
-        sync round is left for ``commit``. A chunk's buffers are done with before the next
-        chunk is asked for: ``write_all`` copies them into the page cache."""
+        """Hash and put the pages of ``stream`` a chunk at a time (a page given as None:
+        the ``reused`` ref at that index). Returns the manifest's page refs in order. The
+        batch's last round is left for ``commit``. A chunk's buffers are done with before the
+        next chunk is asked for: the batch's ``add`` copies them (into the page cache)."""
         self._declare_reused(list(reused.values()))
         refs: list[PageRef | None] = [reused.get(i) for i in range(len(stream.sizes))]
         seen: set[str] = set()
         for chunk in stream.checked_chunks():
             views = [page for _, page in chunk]
             big = sum(map(len, views)) > _PARALLEL_HASH_BYTES
-            digests: Iterator[tuple[str, str]] = (parallel_imap(name_and_checksum, views, "publish") if big
-                                                  else map(name_and_checksum, views))
-            for (i, page), (digest, checksum) in zip(chunk, digests):
-                refs[i] = PageRef(digest, len(page), checksum)
-                if digest in seen:
+            made: Iterator[NewObject] = (parallel_imap(NewObject.of, views, "publish") if big
+                                         else map(NewObject.of, views))
+            for (i, _), obj in zip(chunk, made):
+                refs[i] = obj.ref
+                if obj.ref.digest in seen:
                     continue
-                seen.add(digest)
-                if self._claim(digest, len(page)):
-                    self._write_temp(digest, page)
-                    if len(self._open) >= _SYNC_BATCH:
-                        self._sync_round()
+                seen.add(obj.ref.digest)
+                if self._claim(obj.ref):
+                    self.batch.add(obj)
         done = [r for r in refs if r is not None]
         if len(done) != len(refs):  # checked_chunks and the reused refs cover every index
             raise PageSourceError(f"pages {[i for i, r in enumerate(refs) if r is None]} were never given")
@@ -80,22 +77,32 @@ class PublicationWriter:
 
     def commit(self, manifest_temp: str, manifest_bytes: bytes, manifest_final: str,
                make_identity_dir: Callable[[], list[str]]) -> None:
-        """Steps 2-4: the manifest's temp file joins the objects' last fdatasync round; it is
-        renamed into place only after the objects' renames are durable."""
-        layout = self.store.layout
+        """Steps 2-4: the manifest's temp file is made durable beside the batch's last round
+        (and a new identity directory's parent beside it); it is renamed into place only
+        after the objects are durable and in place."""
+        layout = self.layout
         fd = layout.open_file(manifest_temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        self._open.append((fd, "", manifest_temp))
-        write_all(fd, manifest_bytes)
-        self._sync_round(extra_dirs=make_identity_dir())
+        try:
+            write_all(fd, manifest_bytes)
+            beside = [submit(os.fdatasync, fd, pool="publish")]
+            try:
+                beside += [submit(layout.fsync_dir, d, pool="publish") for d in make_identity_dir()]
+                self.receipt = self.batch.flush()
+            finally:
+                wait(beside)  # none still runs on the descriptor once it is closed
+            for done in beside:
+                done.result()
+        except BaseException:
+            close_quietly(fd)
+            raise
+        os.close(fd)  # an error closing it fails the publication
         layout.rename(manifest_temp, manifest_final)
         layout.fsync_dir(os.path.dirname(manifest_final))
 
     def close(self) -> None:
-        """Close what a failed publication left open (abandoned temp files: an error closing
-        one changes nothing, and must not replace the publication's own)."""
-        items, self._open = self._open, []
-        for fd, _, _ in items:
-            close_quietly(fd)
+        """Abandon what a failed publication left unflushed (its temp files are the
+        staging's to remove)."""
+        self.batch.close()
 
     # ------------------------------------------------------------------ steps
 
@@ -103,58 +110,22 @@ class PublicationWriter:
         if not refs:
             return
         unique = {r.digest: r for r in refs}
-        with shared_lock(self.store.layout, PUBLISH_WAIT_S):
+        with shared_lock(self.layout, PUBLISH_WAIT_S):
             self.staging.declare(unique)
+            held = self.objects.exists(unique)
             for ref in unique.values():
-                if not self.store.objects.exists_with_size(ref.digest, ref.size):
+                found = held.get(ref.digest)
+                if found is None or found.size != ref.size:
                     raise BaseObjectGone(f"object {ref.digest} of the stored prefix is gone "
                                          "(evicted or deleted); publish again with its bytes")
 
-    def _claim(self, digest: str, size: int) -> bool:
-        """Declare ``digest`` (so no collector deletes it from now on); True if it must be
-        written, False if the object is already there."""
-        with shared_lock(self.store.layout, PUBLISH_WAIT_S):
-            self.staging.declare((digest,))
-            return not self.store.objects.exists_with_size(digest, size)
-
-    def _write_temp(self, digest: str, page: bytes | memoryview) -> None:
-        tmp = self.staging.temp_path(digest)
-        fd = self.store.layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        self._open.append((fd, digest, tmp))
-        write_all(fd, page)
-        start_writeback(fd)  # the disk works while the next page is hashed and copied
-        self.bytes_written += len(page)
-        self._in_flight.append((fd, len(page)))
-        while sum(n for _, n in self._in_flight) > _WRITEBACK_WINDOW:
-            wait_writeback(self._in_flight.pop(0)[0])  # bound the device queue we build
-
-    def _sync_round(self, extra_dirs: Sequence[str] = ()) -> None:
-        """One parallel fdatasync of the open temp files, then the objects' renames and one
-        parallel fsync of their shard directories (plus ``extra_dirs``)."""
-        items, self._open = self._open, []
-        self._in_flight.clear()
-        try:
-            sync_all(lambda item: os.fdatasync(item[0]), items, "publish")
-        finally:
-            _close_all([fd for fd, _, _ in items])  # an error closing one fails the round
-        # the manifest (no digest) is renamed by commit, after this round
-        objects = [(digest, tmp) for _, digest, tmp in items if digest]
-        dirs = set(extra_dirs) | self.store.objects.place(objects)
-        self.written_digests.update(digest for digest, _ in objects)
-        sync_all(self.store.layout.fsync_dir, sorted(dirs), "publish")
-
-
-def _close_all(fds: list[int]) -> None:
-    """Close every descriptor, then raise the first error a close returned (none is left
-    open by another's error)."""
-    first = None
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError as exc:
-            first = first or exc
-    if first is not None:
-        raise first
+    def _claim(self, ref: PageRef) -> bool:
+        """Declare ``ref``'s object (so no collector deletes it from now on); True if it must
+        be put, False if the backend holds it whole already."""
+        with shared_lock(self.layout, PUBLISH_WAIT_S):
+            self.staging.declare((ref.digest,))
+            found = self.objects.exists((ref.digest,)).get(ref.digest)
+        return found is None or found.size != ref.size
 
 
 __all__ = ["BaseObjectGone", "PublicationWriter"]

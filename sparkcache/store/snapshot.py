@@ -126,9 +126,10 @@ def write(layout: StoreLayout) -> int:
     """List every manifest (as opening the store does) and write the snapshot of what they
     hold; returns how many entries it holds. Raises ``OSError``."""
     from .index import EntryIndex
+    from .objects import LocalBackend
 
     unit = os.statvfs(layout.base).f_frsize or 4096
-    index = EntryIndex(layout, unit)
+    index = EntryIndex(layout, unit, objects=LocalBackend(layout, unit))
     index.refresh(full=True)
     identities: dict[Identity, int] = {}
     rows = []

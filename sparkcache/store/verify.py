@@ -1,19 +1,19 @@
 """Full integrity sweep of one store: every manifest read whole and checked against its
 header's checksum (and decoded, unless the store's snapshot holds the body that checksum
 names), every referenced object re-hashed (its BLAKE3 against its name, its XXH3-128 against
-what each manifest records), every file under objects/ checked to be a regular file. Read-only."""
+what each manifest records), every file under objects/ checked to be a regular file. Read-only.
+The objects are reached through the local object backend (``objects.LocalBackend``: its
+``check_all`` and ``survey``), never by their files."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import os
 from dataclasses import dataclass
-from typing import Iterator
 
+from .backend import ObjectError
 from .index import EntryIndex
 from .layout import StoreLayout, UnsafePathError, file_kind
-from .objects import ObjectError, ObjectStore
+from .objects import LocalBackend
 from .pins import PIN_SUFFIX, read_pin
 
 
@@ -40,11 +40,13 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_store(layout: StoreLayout) -> VerifyReport:
+def verify_store(layout: StoreLayout, objects: LocalBackend | None = None) -> VerifyReport:
+    """The sweep of the store at ``layout``, its objects through ``objects`` (by default the
+    local backend on its filesystem)."""
     unit = os.statvfs(layout.base).f_frsize or 4096
-    index = EntryIndex(layout, unit, whole_bodies=True)  # every byte of every manifest checked
+    objects = objects or LocalBackend(layout, unit)
+    index = EntryIndex(layout, unit, objects=objects, whole_bodies=True)  # every byte of every manifest checked
     index.refresh(full=True)
-    objects = ObjectStore(layout, unit)
     problems: list[Problem] = []
     for bad in sorted(index.bad.values(), key=lambda b: b.path):
         problems.append(Problem("corrupt_manifest", bad.path, bad.detail, (bad.entry_id,)))
@@ -63,53 +65,24 @@ def verify_store(layout: StoreLayout) -> VerifyReport:
             if page.checksum is not None:
                 recorded.setdefault(page.digest, []).append((page.checksum, entry.path, entry.entry_id))
     checked = bytes_checked = 0
-    for shard, digests in itertools.groupby(sorted(users), key=lambda d: d[:2]):
-        with _shard_dir(layout, objects, shard) as shard_fd:
-            for digest in digests:
-                try:
-                    actual = objects.check_verified(digest, sizes[digest], shard_fd)
-                    checked += 1
-                    bytes_checked += sizes[digest]
-                    for checksum, path, entry_id in recorded.get(digest, ()):
-                        if checksum != actual:
-                            problems.append(Problem(
-                                "corrupt_manifest", path, f"records XXH3-128 {checksum} for object {digest}, "
-                                f"whose bytes hash to {actual}: a restore refuses the entry; delete the "
-                                "manifest (the next publication writes it anew)", (entry_id,)))
-                except ObjectError as exc:
-                    problems.append(Problem(f"{exc.reason}_object", objects.path(digest), exc.detail,
-                                            tuple(sorted(set(users[digest])))))
-    orphans = 0
-    for shard, kind in _listing(layout, layout.objects_dir, problems):
-        shard_path = os.path.join(layout.objects_dir, shard)
-        if kind != "directory":
-            problems.append(Problem("unsafe_file", shard_path, f"a {kind} where a shard directory "
-                                    "belongs; the store never follows it: remove it", ()))
+    for digest, actual in objects.check_all(sizes):
+        if isinstance(actual, ObjectError):
+            problems.append(Problem(f"{actual.reason}_object", objects.path(digest), actual.detail,
+                                    tuple(sorted(set(users[digest])))))
             continue
-        for name, file_kind in _listing(layout, shard_path, problems):
-            if file_kind != "file":
-                if shard + name not in users:  # referenced ones are already reported
-                    problems.append(Problem("unsafe_file", os.path.join(shard_path, name),
-                                            f"a {file_kind}, not a regular file; the store never "
-                                            "follows links: remove it", ()))
-            elif shard + name not in users:
-                orphans += 1
+        checked += 1
+        bytes_checked += sizes[digest]
+        for checksum, path, entry_id in recorded.get(digest, ()):
+            if checksum != actual:
+                problems.append(Problem(
+                    "corrupt_manifest", path, f"records XXH3-128 {checksum} for object {digest}, "
+                    f"whose bytes hash to {actual}: a restore refuses the entry; delete the "
+                    "manifest (the next publication writes it anew)", (entry_id,)))
+    survey = objects.survey(set(users))
+    problems += [Problem("unsafe_file", path, detail, ()) for path, detail in survey.unsafe]
     _check_small_files(layout, problems)
-    return VerifyReport(len(index.entries) + len(index.bad), checked, bytes_checked, orphans,
+    return VerifyReport(len(index.entries) + len(index.bad), checked, bytes_checked, survey.orphans,
                         tuple(problems))
-
-
-@contextlib.contextmanager
-def _shard_dir(layout: StoreLayout, objects: ObjectStore, shard: str) -> Iterator[int | None]:
-    """The shard directory open (one walk for all its objects), or None when it cannot be
-    opened: each object is then opened by its path, which says why."""
-    try:
-        handle = layout.open_dir(os.path.dirname(objects.path(shard + "0" * 62)))
-    except (OSError, UnsafePathError):
-        yield None
-        return
-    with handle as d:
-        yield d.fd
 
 
 def _check_small_files(layout: StoreLayout, problems: list[Problem]) -> None:

@@ -139,16 +139,20 @@ def test_orphans_are_collected_but_not_live_publications(tmp_path):
 
     store = _small_store(tmp_path)
     _fill(store, [1])
-    orphan = b"orphan" * 100
-    from sparkcache.store.objects import digest_of
-    d_orphan = digest_of(orphan)
+    from sparkcache.store.backend import NewObject
+
+    def put(staging: Staging, data: bytes) -> str:
+        batch = store.objects.put_batch(staging)
+        batch.add(NewObject.of(data))
+        return next(iter(batch.flush().written))
+
     with Staging(store.layout) as dead_writer_stand_in:
-        store.objects.write(d_orphan, orphan, dead_writer_stand_in.temp_path("x"))
-    live = b"in flight" * 100
-    d_live = digest_of(live)
+        d_orphan = put(dead_writer_stand_in, b"orphan" * 100)
     with Staging(store.layout) as inflight:
+        live = NewObject.of(b"in flight" * 100)
+        d_live = live.ref.digest
         inflight.declare([d_live])
-        store.objects.write(d_live, live, inflight.temp_path("y"))
+        put(inflight, live.data)
         report = run_pass(store, PassBudget(), sweep_shards=256, timer=stopped_clock)
         assert report.orphans_collected == 1, report
         assert not os.path.exists(store.objects.path(d_orphan))

@@ -15,6 +15,7 @@ from sparkcache.store.identity import entry_id_for
 from sparkcache.store.index import STRIDE, EntryIndex, IndexedEntry
 from sparkcache.store.layout import StoreLayout
 from sparkcache.store.manifests import Manifest, PageRef
+from sparkcache.store.objects import LocalBackend
 
 from store_helpers import IDENT
 
@@ -43,7 +44,8 @@ def _entry(keys: list[str], seq: int) -> IndexedEntry:
 @settings(max_examples=400, deadline=None)
 @given(st.lists(walks, min_size=1, max_size=8), walks)
 def test_the_longest_stored_prefix_is_found(tmp_path_factory, stored, request):
-    index = EntryIndex(StoreLayout.create(str(tmp_path_factory.mktemp("s"))), 4096)
+    layout = StoreLayout.create(str(tmp_path_factory.mktemp("s")))
+    index = EntryIndex(layout, 4096, objects=LocalBackend(layout, 4096))
     entries = {}
     for seq, walk in enumerate(stored):
         entry = _entry(_path(walk), seq)
