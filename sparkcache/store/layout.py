@@ -26,7 +26,7 @@ import errno
 import os
 import re
 import stat
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -409,8 +409,11 @@ def per_cpu_map(fn, items: list, pool: str = "io") -> list:
     """``[fn(x) for x in items]`` with item k on a thread of the pool held to the k-th of
     ``pool_cpus`` for the call (``cpus.held_to``), so that every CPU works from the first
     moment: left to the kernel, threads woken after an idle spell started on the waker's
-    CPU and shared it (docs/RESULTS.md, "A page reader per CPU"). At most one item per
-    CPU; where the system names none, as ``parallel_map``."""
+    CPU and shared it (docs/RESULTS.md, "A page reader per CPU"). The calling thread, which
+    waits for them anyway, takes the item of the first CPU it may run on (vLLM pins the
+    model's thread to its CPU), or else the first: only the others wait for a pool thread to
+    wake. Every item has ended before anything is raised. At most one item per CPU; where
+    the system names none, as ``parallel_map``."""
     executor, where = _pool(pool)
     if len(items) > max(1, len(where)):
         raise ValueError(f"{len(items)} items for {len(where)} CPUs")
@@ -421,7 +424,14 @@ def per_cpu_map(fn, items: list, pool: str = "io") -> list:
         with cpus.held_to(where[k]):
             return fn(items[k])
 
-    return list(executor.map(on_its_cpu, range(len(items))))
+    own = cpus.own_cpus()
+    mine = next((k for k in range(len(items)) if where[k] in own), 0)
+    others = {k: executor.submit(on_its_cpu, k) for k in range(len(items)) if k != mine}
+    try:
+        result = on_its_cpu(mine)
+    finally:
+        wait(others.values())
+    return [result if k == mine else others[k].result() for k in range(len(items))]
 
 
 def submit(fn, *args, pool: str = "io") -> Future:

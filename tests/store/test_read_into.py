@@ -137,6 +137,35 @@ def test_each_run_of_pages_is_read_on_a_thread_held_to_a_cpu_of_its_own(tmp_path
     assert after == [set(where)] * 32, "a pool thread kept the CPU it was held to"
 
 
+def test_the_calling_thread_reads_one_run_itself_on_a_cpu_it_may_run_on(tmp_path):
+    """The caller waits for the runs anyway: it reads the run of a CPU it may run on itself
+    (vLLM's model thread is pinned to its CPU), so only the other runs wait for a pool thread
+    to wake. Held to that CPU meanwhile, it gets its own CPUs back after."""
+    where = pool_cpus("io")
+    assert len(where) >= 2, f"this test needs 2 CPUs; the io pool runs on {where}"
+    store, pages, refs = _published(tmp_path, 2 * len(where))
+    caller = threading.get_ident()
+    for pinned in (set(where), {where[-1]}):
+        on: dict[int, tuple] = {}
+
+        def views_of(i: int) -> list[memoryview]:
+            on[i] = (threading.get_ident() == caller, os.sched_getaffinity(0))
+            return [memoryview(bytearray(len(pages[i])))]
+
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, pinned)
+        try:
+            store.read_pages_into(refs, views_of)
+            assert os.sched_getaffinity(0) == pinned, "the caller did not get its CPUs back"
+        finally:
+            os.sched_setaffinity(0, before)
+        mine = [i for i in range(len(refs)) if on[i][0]]
+        cpu = min(pinned) if len(pinned) > 1 else next(iter(pinned))
+        k = where.index(cpu)
+        assert mine == [2 * k, 2 * k + 1], f"pinned to {pinned}: the caller read pages {mine}"
+        assert all(on[i][1] == {where[i // 2]} for i in range(len(refs)))
+
+
 def test_every_run_has_ended_before_an_error_is_raised(tmp_path):
     """A failure in one run (here the caller's own, not a refused object) is raised only once
     the other runs have stopped writing into the caller's buffers: vLLM recomputes those
