@@ -37,6 +37,7 @@ from ..settings import check_namespace, check_root
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX40 = re.compile(r"[0-9a-f]{40}")
+_HEX_PREFIX = re.compile(r"[0-9a-f]{0,64}")
 MANIFEST_SUFFIX = ".mf"
 
 
@@ -46,6 +47,22 @@ class UnsafePathError(ValueError):
 
 def is_object_digest(name: object) -> bool:
     return isinstance(name, str) and _HEX64.fullmatch(name) is not None
+
+
+def check_object_digest(digest: object) -> str:
+    """``digest`` if it names an object (``is_object_digest``); else ``UnsafePathError``."""
+    if not is_object_digest(digest):
+        raise UnsafePathError(f"object name {digest!r} is not a 64-hex-char BLAKE3 digest")
+    return digest
+
+
+def check_object_prefix(prefix: object) -> str:
+    """``prefix`` if it can start an object's name (lower-case hex, at most 64 characters);
+    else ``UnsafePathError``."""
+    if not isinstance(prefix, str) or not _HEX_PREFIX.fullmatch(prefix):
+        raise UnsafePathError(f"object prefix {prefix!r} is not lower-case hex of at most 64 "
+                              "characters; pass a digest's first characters")
+    return prefix
 
 
 def is_identity_digest(name: object) -> bool:
@@ -134,8 +151,7 @@ class StoreLayout:
         return os.path.join(self.locks_dir, "gc.lock")
 
     def object_path(self, digest: str) -> str:
-        if not is_object_digest(digest):
-            raise UnsafePathError(f"object name {digest!r} is not a 64-hex-char BLAKE3 digest")
+        check_object_digest(digest)
         return os.path.join(self.objects_dir, digest[:2], digest[2:])
 
     def identity_dir(self, identity_digest: str) -> str:

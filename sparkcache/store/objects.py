@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import re
 import stat
 import threading
 from collections import deque
@@ -32,14 +31,13 @@ import xxhash
 
 from .backend import (ObjectError, ObjectStat, TempFiles, check_checksum, check_hash, checksum_of,
                       digest_of, hasher_for, name_and_checksum)
-from .layout import (StoreLayout, UnsafePathError, close_quietly, file_kind, is_object_digest, occupied,
-                     open_regular_at, parallel_map, per_cpu_map, pool_cpus)
+from .layout import (StoreLayout, UnsafePathError, check_object_prefix, close_quietly, file_kind,
+                     is_object_digest, occupied, open_regular_at, parallel_map, per_cpu_map, pool_cpus)
 from .local_puts import LocalPutBatch
 from .manifests import PageRef
 from .reasons import Reason
 
 _HASH_CHUNK = 8 << 20  # check_verified reads and hashes this much at a time
-_HEX_PREFIX = re.compile(r"[0-9a-f]{0,64}")
 
 
 class LocalBackend:
@@ -96,9 +94,7 @@ class LocalBackend:
         """The objects (regular files named by a digest) whose names start with ``prefix``.
         A shard that cannot be listed (a link or a file in its place, EIO) lists as empty:
         ``verify`` reports it."""
-        if not _HEX_PREFIX.fullmatch(prefix):
-            raise UnsafePathError(f"object prefix {prefix!r} is not lower-case hex of at most 64 "
-                                  "characters; pass a digest's first characters")
+        check_object_prefix(prefix)
         shards = [prefix[:2]] if len(prefix) >= 2 else [
             name for name in self._listing(self.layout.objects_dir) if name.startswith(prefix)]
         out = []
