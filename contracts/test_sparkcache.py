@@ -37,7 +37,19 @@ def test_every_dependency_of_sparkcache_is_installed_and_xxh3_128_is_the_referen
 
     declared = importlib.metadata.requires("sparkcache") or []
     names = {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in declared if "extra ==" not in r}
-    assert {"blake3", "prometheus_client", "xxhash"} <= names, declared
+    assert {"blake3", "obstore", "prometheus_client", "xxhash"} <= names, declared
     for name in names:
         importlib.metadata.version(name)  # raises PackageNotFoundError when absent
     assert xxhash.xxh3_128_hexdigest(b"") == "99aa06d3014798d86001c324468d497f"
+
+
+def test_the_s3_backend_and_its_client_are_in_the_image():
+    """The shared tier's S3 client (obstore, docs/REMOTE.md) is installed and the backend imports:
+    configuring the tier needs nothing installed into the image."""
+    import obstore
+
+    from sparkcache.store.s3_backend import S3Backend
+    from sparkcache.store.s3_location import S3Location
+
+    assert obstore.__version__ and callable(S3Backend)
+    assert S3Location("bucket").key("ab" * 32) == "sparkcache/objects/ab/" + "ab" * 32

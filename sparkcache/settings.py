@@ -221,6 +221,12 @@ RANK_PLACEHOLDER = "{rank}"
 
 LOW_WATERMARK_SHARE = 80  # percent of MAX_BYTES where eviction stops, unless set
 
+# S3's bucket names (3-63 lower-case letters, digits, '.' and '-'); an endpoint of scheme, host and
+# port only (no user:password@, which would put a credential in a setting); a prefix of plain names.
+REMOTE_BUCKET_PATTERN = r"([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])?"
+REMOTE_ENDPOINT_PATTERN = r"(https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?/?)?"
+REMOTE_PREFIX_PATTERN = r"(?!\.{1,2}(/|$))[A-Za-z0-9._-]{1,64}(/(?!\.{1,2}(/|$))[A-Za-z0-9._-]{1,64}){0,15}"
+
 SETTINGS_TABLE: tuple[SettingRow, ...] = (
     SettingRow("ENABLED", "bool", True, "Switch the store on or off as a whole."),
     SettingRow("ROOT", "path", "", "Rank-local cache directory (required when enabled). "
@@ -275,6 +281,28 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
     SettingRow("ALLOW_FAILING_LOADS", "bool", False, "Run with vLLM's kv_load_failure_policy "
                "other than \"recompute\" (vLLM 0.32.0's default is \"fail\"): a refused restore "
                "(a corrupt or missing page) then fails the request instead of recomputing it."),
+    SettingRow("REMOTE_BUCKET", "str", "", "Bucket of the S3-compatible object store that "
+               "holds the shared tier's page objects (sparkcache.store.s3_backend); empty: no "
+               "remote store. Credentials come from the standard AWS variables and files "
+               "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, "
+               "~/.aws/credentials, web identity, the instance's role), never from a setting.",
+               pattern=REMOTE_BUCKET_PATTERN),
+    SettingRow("REMOTE_ENDPOINT", "str", "", "URL of the S3-compatible endpoint (scheme, host "
+               "and port only, no user or path: e.g. http://seaweedfs:8333); empty: AWS S3 in "
+               "the region AWS_REGION names.", pattern=REMOTE_ENDPOINT_PATTERN),
+    SettingRow("REMOTE_PREFIX", "str", "sparkcache", "Key prefix under which the remote store "
+               "keeps its objects (PREFIX/objects/ab/<the 64-hex digest>): '/'-separated names "
+               "of letters, digits, '.', '_' and '-'.", pattern=REMOTE_PREFIX_PATTERN),
+    SettingRow("REMOTE_CONNECT_TIMEOUT_SECONDS", "float", 2.0, "Limit on connecting to the "
+               "remote endpoint, each try.", minimum=0.05, maximum=60),
+    SettingRow("REMOTE_TIMEOUT_SECONDS", "float", 30.0, "Limit on one remote request, from "
+               "connecting to its last byte; also the limit on its retries together.",
+               minimum=0.1, maximum=600),
+    SettingRow("REMOTE_RETRIES", "int", 2, "Retries of a remote request that failed to connect, "
+               "timed out or met a server error (5xx), with exponential backoff, within "
+               "REMOTE_TIMEOUT_SECONDS.", minimum=0, maximum=10),
+    SettingRow("REMOTE_REQUESTS_IN_FLIGHT", "int", 4, "Remote requests one batch of puts or one "
+               "batch exists keeps in flight at once.", minimum=1, maximum=64),
     # The scheduler transforms' options (docs/RUNTIME_CONTRACT.md); absent means upstream behaviour.
     SettingRow("GPU_LEASE_SECONDS", "json_number", None, "GPU-lease accounting: a deadline on "
                "every delayed free of a finished request's blocks, whose retired recurrent "
@@ -329,6 +357,13 @@ class Settings:
     weights_fingerprint: str
     maintenance_interval_seconds: float
     allow_failing_loads: bool
+    remote_bucket: str
+    remote_endpoint: str
+    remote_prefix: str
+    remote_connect_timeout_seconds: float
+    remote_timeout_seconds: float
+    remote_retries: int
+    remote_requests_in_flight: int
     gpu_lease_seconds: float | None
     prefer_local_prefix: bool
     retain_decode_checkpoint: bool

@@ -42,11 +42,11 @@ class SeaweedError(RuntimeError):
 
 @dataclass(frozen=True)
 class S3Endpoint:
-    """What a client needs to reach the server. The secret is left out of ``repr``."""
+    """What a client needs to reach the server. The key pair is left out of ``repr``."""
 
     url: str
     bucket: str
-    access_key: str
+    access_key: str = field(repr=False)
     secret_key: str = field(repr=False)
     region: str = REGION
 

@@ -32,6 +32,7 @@ def test_its_logs_sockets_and_identity_lie_under_its_directory(seaweedfs):
     assert any(seaweedfs.log_dir.iterdir())
     assert (seaweedfs.dir / "s3.json").stat().st_mode & 0o077 == 0  # the run's secret is the owner's only
     assert seaweedfs.endpoint.secret_key not in repr(seaweedfs.endpoint)
+    assert seaweedfs.endpoint.access_key not in repr(seaweedfs.endpoint)
 
 
 def test_after_a_sigkill_the_same_server_comes_back_with_its_objects(tmp_path):

@@ -70,6 +70,11 @@ def test_env_and_extra_config_precedence():
     ("SPARKCACHE_TTL_SECONDS", "-1", ">= 0"),
     ("SPARKCACHE_NAMESPACE", "../x", "matching"),
     ("SPARKCACHE_MAINTENANCE_MAX_MS", "0", "1 .. 60000"),
+    ("SPARKCACHE_REMOTE_ENDPOINT", "https://key:secret@s3.example.com", "matching"),  # no credential in a setting
+    ("SPARKCACHE_REMOTE_BUCKET", "My_Bucket", "matching"),
+    ("SPARKCACHE_REMOTE_PREFIX", "a/../b", "matching"),
+    ("SPARKCACHE_REMOTE_RETRIES", "11", "0 .. 10"),
+    ("SPARKCACHE_REMOTE_TIMEOUT_SECONDS", "0", "0.1 .. 600"),
 ])
 def test_bad_value_names_setting_value_and_range(var, value, expect):
     with pytest.raises(SettingsError) as err:
