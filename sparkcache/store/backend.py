@@ -9,11 +9,12 @@ filesystem's backend (``objects.LocalBackend``) is the one the store runs on; it
 of its own for the restore's hot path (reads straight into the caller's buffers) and for
 ``verify``.
 
-The interface is narrow so that a backend of another kind fits it: an S3-compatible store
-puts with ``If-None-Match: *`` (a 412 is "present": the first writer won), gets with a GET
-whose bytes are verified as here, answers ``exists`` with one LIST of the digests' prefixes
-(or a manifest of what it holds), lists with LIST by prefix and deletes with DELETE (which
-succeeds whether or not the object was there). An object is small enough for one PUT.
+The interface is narrow so that a backend of another kind fits it: the S3 backend
+(``s3_backend.S3Backend``) puts with ``If-None-Match: *`` (a 412 is "present": the first writer
+won), gets with a GET whose bytes are verified as here, answers ``exists`` with one LIST per
+shard of the digests asked, lists with LIST by prefix and deletes with a HEAD (S3's DELETE does
+not say what it freed) then DELETE (which succeeds whether or not the object was there). An
+object is small enough for one PUT.
 """
 
 from __future__ import annotations

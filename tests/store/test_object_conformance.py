@@ -1,6 +1,5 @@
-"""The object backend's conformance suite: every backend in ``BACKENDS``, its objects put by
-the store's own publication path (``PageStore.publish`` -> ``PublicationWriter`` -> the
-backend's put batch).
+"""The object backend's conformance suite: every backend in ``BACKENDS``, each starting from the
+objects a publication produced.
 
 The contract every backend gives the page objects (restic's backend tests are the model): a
 put is durable and leaves exactly the object; a put of an object already there is a no-op
@@ -11,6 +10,14 @@ flipped byte, a truncation, a file grown, a link) is refused by every read. A ba
 the local filesystem's own doors (``local``) is held to them too: its reads into buffers and
 its re-hash refuse the same damage, and only what is corrupt is discarded.
 
+The local backends' objects are put by the store's own publication path (``PageStore.publish``
+-> ``PublicationWriter`` -> the backend's put batch). The S3 backend (on the tests' SeaweedFS,
+testing/seaweedfs.py) starts from the same bytes: a publication into a local store, whose objects
+are then put through ``S3Backend.put_batch``. The real publication path to S3 (local publication
+first, then the upload queue) arrives with the tier (issue 44, step 3); where a case publishes
+again, the S3 backend's equivalent is a put batch of the same bytes. Its damage is done with the
+raw client, past the backend (an object rewritten in place: S3 has no links).
+
 Adding a backend is one line in ``BACKENDS``.
 """
 
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
@@ -30,13 +37,14 @@ from sparkcache.store.backend import NewObject, ObjectError
 from sparkcache.store.layout import UnsafePathError
 from sparkcache.store.objects import LocalBackend
 from sparkcache.store.staging import Staging
+from s3_helpers import s3_backend
 from store_helpers import IDENT, conv_keys, open_store
 
 pytestmark = [pytest.mark.root]  # the tmpfs is a real mount
 
 
-def _damage_file(backend: LocalBackend, digest: str, how: str, size: int) -> None:
-    path = backend.path(digest)
+def _damage_file(subject: "Subject", digest: str, how: str, size: int) -> None:
+    path = subject.backend.path(digest)
     if how == "flipped byte":
         with open(path, "r+b") as fh:
             fh.seek(size // 2)
@@ -54,6 +62,43 @@ def _damage_file(backend: LocalBackend, digest: str, how: str, size: int) -> Non
         os.symlink(target, path)
 
 
+def _damage_object(subject: "Subject", digest: str, how: str, size: int) -> None:
+    """The S3 object rewritten in place with the raw client: one byte flipped, one byte short,
+    one byte more."""
+    import obstore
+
+    key = subject.backend.location.key(digest)
+    data = bytearray(obstore.get(subject.raw, key).bytes())
+    assert len(data) == size
+    if how == "flipped byte":
+        data[size // 2] ^= 0x01
+    elif how == "truncated":
+        del data[-1]
+    elif how == "grown":
+        data += b"x"
+    obstore.put(subject.raw, key, bytes(data), use_multipart=False)
+
+
+def _inode(subject: "Subject", digest: str):
+    return os.stat(subject.backend.path(digest)).st_ino
+
+
+def _version(subject: "Subject", digest: str):
+    """What changes when an S3 object is written again: its ETag and its last modification."""
+    import obstore
+
+    meta = obstore.head(subject.raw, subject.backend.location.key(digest))
+    return meta["e_tag"], meta["last_modified"], meta.get("version")
+
+
+def _local_backend(request, store):
+    return store.objects
+
+
+def _s3_on_seaweedfs(request, store):
+    return s3_backend(request.getfixturevalue("seaweedfs"), request.getfixturevalue("monkeypatch"))
+
+
 @contextlib.contextmanager
 def _working_fs(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "store"
@@ -67,54 +112,97 @@ def _tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 @dataclass(frozen=True)
 class BackendCase:
-    """One backend under the suite: where its store's root goes, how the backend is made from
-    the store's layout, how an object of it is damaged (each of ``DAMAGE``), and whether it
-    has the local filesystem's doors."""
+    """One backend under the suite: where the publishing store's root goes, the backend (the
+    store's own, or one made beside it: ``backend(request, store)``), how an object of it is
+    damaged (each of ``damages``, from ``DAMAGE``), what marks an object as written once
+    (``mark``: unchanged unless it is written again), and whether it has the local filesystem's
+    doors."""
 
     name: str
     root: Callable[[Path], ContextManager[Path]]
-    backend: Callable = LocalBackend
-    damage: Callable[[object, str, str, int], None] = _damage_file
+    backend: Callable = _local_backend
+    damage: Callable[["Subject", str, str, int], None] = _damage_file
+    damages: tuple[str, ...] = ("flipped byte", "truncated", "grown", "symlink")
+    mark: Callable[["Subject", str], object] = _inode
     local: bool = True
 
 
 BACKENDS = [
     BackendCase("local", _working_fs),
     BackendCase("local-tmpfs", _tmpfs),
+    BackendCase("s3-seaweedfs", _working_fs, _s3_on_seaweedfs, _damage_object,
+                ("flipped byte", "truncated", "grown"), _version, local=False),
 ]
+LOCAL = [case for case in BACKENDS if case.local]
 DAMAGE = [("flipped byte", Reason.CORRUPT), ("truncated", Reason.ABSENT), ("grown", Reason.CORRUPT),
           ("symlink", Reason.CORRUPT)]
 SIZES = (1, 4096, (1 << 20) + 3)  # a byte, a page of the filesystem, more than a MiB and not aligned
 
 
+def _damaged(cases: list[BackendCase], hows: tuple[str, ...] | None = None) -> list:
+    """(backend, damage, the reason a read gives) for every damage each backend can take."""
+    return [pytest.param(case, how, reason, id=f"{case.name}-{how}") for case in cases
+            for how, reason in DAMAGE if how in case.damages and (hows is None or how in hows)]
+
+
+def _cases(cases: list[BackendCase]) -> dict:
+    return {"argnames": "subject", "argvalues": cases, "ids": [c.name for c in cases], "indirect": True}
+
+
 @dataclass(frozen=True)
 class Subject:
     case: BackendCase
-    store: object  # the PageStore that put the objects
+    store: object  # the PageStore that published the objects
     backend: object
     put: dict  # digest -> the bytes published under it
     pages: tuple[PageRef, ...]  # as the published manifest records them
+    raw: object = field(default=None, repr=False)  # S3: the raw client, past the backend
 
 
 @pytest.fixture(params=BACKENDS, ids=[case.name for case in BACKENDS])
 def subject(request, tmp_path: Path):
-    """A fresh store on one backend, with three objects published into it."""
+    """A fresh store on one backend, with three objects published into it (S3: published into
+    the local store, then put through the S3 backend's put batch, as the module docstring says)."""
     case = request.param
     with case.root(tmp_path) as root:
-        store = open_store(str(root), backend=case.backend)
+        store = open_store(str(root), backend=LocalBackend)
         datas = [bytes([n % 251]) * size for n, size in enumerate(SIZES)]
         result = store.publish(IDENT, conv_keys(1, 4 * len(datas)), datas)
         assert result.ok and result.pages_written == len(datas), result
         try:
             pages = store.entry(result.entry_id).manifest.pages
-            yield Subject(case, store, store.objects, {NewObject.of(d).ref.digest: d for d in datas}, pages)
+            backend = case.backend(request, store)
+            if backend is not store.objects:
+                receipt = _put_through(backend, store, [NewObject(ref, store.objects.get(ref)) for ref in pages])
+                assert receipt.written == {r.digest for r in pages}, receipt
+            raw = request.getfixturevalue("seaweedfs").raw_store() if not case.local else None
+            yield Subject(case, store, backend, {NewObject.of(d).ref.digest: d for d in datas}, pages, raw)
         finally:
             store.close()
 
 
-def _local(subject: Subject) -> None:
-    if not subject.case.local:
-        pytest.skip(f"{subject.case.name} has no local filesystem doors")
+def _put_through(backend, store, objects: list[NewObject]):
+    """One put batch of ``objects`` straight to the backend (past publication's check)."""
+    with Staging(store.layout) as staging:
+        batch = backend.put_batch(staging)
+        try:
+            for obj in objects:
+                batch.add(obj)
+            return batch.flush()
+        finally:
+            batch.close()
+
+
+def _publish_again(subject: Subject, datas: list[bytes], conv: int):
+    """``datas`` put again the way this backend's objects are put: a publication into the
+    store (local), or a put batch of them (S3, until the tier publishes there). The receipt's
+    counts: (written, present)."""
+    if subject.case.local:
+        again = subject.store.publish(IDENT, conv_keys(conv, 4 * len(datas)), datas)
+        assert again.ok, again
+        return again.pages_written, again.pages_reused
+    receipt = _put_through(subject.backend, subject.store, [NewObject.of(d) for d in datas])
+    return len(receipt.written), len(receipt.present)
 
 
 def test_a_put_leaves_exactly_the_object(subject):
@@ -135,8 +223,8 @@ def test_every_read_returns_the_bytes_that_were_put(subject):
         assert caught.value.reason is Reason.CORRUPT and ref.digest in str(caught.value)
 
 
+@pytest.mark.parametrize(**_cases(LOCAL))
 def test_the_local_doors_read_the_bytes_that_were_put(subject):
-    _local(subject)
     backend, refs = subject.backend, subject.pages
     for ref in refs:
         backend.check_present(ref.digest, ref.size)
@@ -152,19 +240,13 @@ def test_the_local_doors_read_the_bytes_that_were_put(subject):
 def test_a_second_put_of_an_object_is_a_no_op(subject):
     backend, store = subject.backend, subject.store
     before = {d: s for d, s in backend.exists(list(subject.put)).items()}
-    marks = {d: os.stat(backend.path(d)).st_ino for d in subject.put} if subject.case.local else {}
-    again = store.publish(IDENT, conv_keys(2, 4 * len(SIZES)), list(subject.put.values()))
-    assert again.ok and again.pages_written == 0 and again.pages_reused == len(SIZES), again
-    with Staging(store.layout) as staging:  # a put straight to the backend, past publication's check
-        batch = backend.put_batch(staging)
-        for data in subject.put.values():
-            batch.add(NewObject.of(data))
-        receipt = batch.flush()
+    marks = {d: subject.case.mark(subject, d) for d in subject.put}
+    assert _publish_again(subject, list(subject.put.values()), 2) == (0, len(SIZES))
+    receipt = _put_through(backend, store, [NewObject.of(d) for d in subject.put.values()])
     assert receipt.written == frozenset() and receipt.present == frozenset(subject.put)
     assert receipt.bytes_written == 0
     assert backend.exists(list(subject.put)) == before
-    if subject.case.local:
-        assert {d: os.stat(backend.path(d)).st_ino for d in subject.put} == marks  # never rewritten
+    assert {d: subject.case.mark(subject, d) for d in subject.put} == marks  # never rewritten
     assert os.listdir(store.layout.staging_dir) == []
 
 
@@ -178,13 +260,13 @@ def test_the_first_writer_wins(subject):
         for batch in batches:
             batch.add(new)
         assert new.ref.digest not in backend.exists([new.ref.digest])  # nothing visible before a flush
-        won, lost = (batch.flush() for batch in batches)
-        mark = os.stat(backend.path(new.ref.digest)).st_ino if subject.case.local else None
+        won = batches[0].flush()
+        mark = subject.case.mark(subject, new.ref.digest)
+        lost = batches[1].flush()
     assert won.written == {new.ref.digest} and won.bytes_written == new.ref.size
     assert lost.written == frozenset() and lost.present == {new.ref.digest}
     assert backend.get(new.ref) == new.data
-    if subject.case.local:
-        assert os.stat(backend.path(new.ref.digest)).st_ino == mark
+    assert subject.case.mark(subject, new.ref.digest) == mark
     assert os.listdir(store.layout.staging_dir) == []  # the loser's temp file went with its staging
 
 
@@ -225,12 +307,12 @@ def test_a_deletion_reports_what_it_freed_once(subject):
     assert backend.delete(NewObject.of(b"never put").ref.digest) == 0
 
 
-@pytest.mark.parametrize("how, reason", DAMAGE)
+@pytest.mark.parametrize("subject, how, reason", _damaged(BACKENDS), indirect=["subject"])
 def test_damage_is_refused_by_every_read(subject, how, reason):
     backend = subject.backend
     digest, data = max(subject.put.items(), key=lambda item: len(item[1]))
     ref = next(r for r in subject.pages if r.digest == digest)
-    subject.case.damage(backend, digest, how, len(data))
+    subject.case.damage(subject, digest, how, len(data))
     reads = [lambda: backend.get(ref), lambda: backend.get(PageRef(digest, len(data)))]
     if subject.case.local:
         reads += [lambda: backend.check_verified(digest, len(data)),
@@ -246,12 +328,11 @@ def test_damage_is_refused_by_every_read(subject, how, reason):
             assert backend.get(PageRef(other, len(value))) == value
 
 
-@pytest.mark.parametrize("how, reason", DAMAGE)
+@pytest.mark.parametrize("subject, how, reason", _damaged(LOCAL), indirect=["subject"])
 def test_only_corruption_is_discarded(subject, how, reason):
-    _local(subject)
     backend = subject.backend
     digest, data = max(subject.put.items(), key=lambda item: len(item[1]))
-    subject.case.damage(backend, digest, how, len(data))
+    subject.case.damage(subject, digest, how, len(data))
     assert backend.discard_corrupt(digest, len(data)) is (reason is Reason.CORRUPT)
     assert os.path.lexists(backend.path(digest)) is (reason is not Reason.CORRUPT)
     for other, value in subject.put.items():
@@ -259,14 +340,14 @@ def test_only_corruption_is_discarded(subject, how, reason):
             assert backend.discard_corrupt(other, len(value)) is False
 
 
-@pytest.mark.parametrize("how", ["truncated", "grown", "symlink"])
-def test_a_put_replaces_an_object_of_another_size_or_kind(subject, how):
+@pytest.mark.parametrize("subject, how, reason", _damaged(BACKENDS, ("truncated", "grown", "symlink")),
+                         indirect=["subject"])
+def test_a_put_replaces_an_object_of_another_size_or_kind(subject, how, reason):
     """What is at an object's name but not of its size (or not a file) is not the object: a
     publication of its bytes puts it anew. (One of the right size with other bytes is taken
     as present, unread: a restore that meets it removes it, ``test_only_corruption_is_discarded``.)"""
-    backend, store = subject.backend, subject.store
+    backend = subject.backend
     digest, data = max(subject.put.items(), key=lambda item: len(item[1]))
-    subject.case.damage(backend, digest, how, len(data))
-    again = store.publish(IDENT, conv_keys(3, 4), [data])
-    assert again.ok and again.pages_written == 1, again
+    subject.case.damage(subject, digest, how, len(data))
+    assert _publish_again(subject, [data], 3) == (1, 0)
     assert backend.get(PageRef(digest, len(data))) == data
