@@ -22,6 +22,7 @@ from sparkcache.settings import SettingsError, load_settings
 from sparkcache.store import PageRef, Reason
 from sparkcache.store.backend import NewObject, ObjectError
 from sparkcache.store.s3_backend import S3Backend
+from sparkcache.store.s3_errors import describe
 from sparkcache.store.s3_location import S3Location, SharedCredentialsFile
 from testing.seaweedfs import SeaweedFS
 
@@ -165,6 +166,31 @@ def test_credentials_never_appear_in_a_log_a_message_or_a_repr(seaweedfs, monkey
     said += [out, err, caplog.text]
     for text in said:
         assert secret not in text and key_id not in text and secret[1:] not in text, text
+
+
+def test_what_a_client_error_echoes_of_a_credential_is_left_out(monkeypatch):
+    """AWS's own error documents echo the access key id (SeaweedFS's do not, so these are AWS's
+    shape, as obstore raises them): what the backend says keeps the document's code and message
+    only, so a key id from the shared credentials file, which no variable holds, is gone; and a
+    value of the credential variables anywhere in the client's text is blanked."""
+    secret, key_id = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "AKIAIOSFODNN7EXAMPLE"
+    location = S3Location("bucket", "p", "http://127.0.0.1:9")
+    document = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code><Message>The AWS '
+                'Access Key Id you provided does not exist in our records.</Message><AWSAccessKeyId>'
+                f'{key_id}</AWSAccessKeyId><RequestId>4442587FB7D0A2F9</RequestId></Error>')
+    aws_env(monkeypatch, {})  # the key pair came from the shared file
+    failure = describe(obstore.exceptions.GenericError(
+        "Generic S3 error: Error performing GET http://127.0.0.1:9/bucket/k - Server returned non-2xx status "
+        f"code: 403 Forbidden: {document}"), location)
+    assert failure.code == errno.EACCES
+    assert "InvalidAccessKeyId" in failure.detail and "does not exist in our records" in failure.detail
+    assert key_id not in failure.detail, failure.detail
+    aws_env(monkeypatch, {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret})
+    failure = describe(obstore.exceptions.GenericError(
+        f"Generic S3 error: Error performing GET http://127.0.0.1:9/bucket/k?X-Amz-Credential={key_id}"
+        f"&secret={secret} - HTTP error: error sending request"), location)
+    assert key_id not in failure.detail and secret not in failure.detail, failure.detail
+    assert "<AWS_ACCESS_KEY_ID>" in failure.detail
 
 
 def test_the_shared_credentials_file_and_its_profile_are_read(seaweedfs, monkeypatch, tmp_path):
