@@ -107,10 +107,10 @@ def conditional_put(client) -> dict:
         client.put_new(key, os.urandom(1024))
         refused, error = False, ""
     except Exception as exc:  # noqa: BLE001 - which error it was is the result
-        refused, error = client.is_412(exc), f"{type(exc).__name__}: {str(exc)[:200]}"
+        refused, error = client.is_412(exc), f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     kept = client.get(key) == first
     client.delete(key)
-    return {"second_put_refused": refused, "first_bytes_kept": kept, "error": error}
+    return {"second_put_refused_with_412": refused, "first_bytes_kept": kept, "error": error}
 
 
 def cpu_seconds() -> float:
