@@ -285,7 +285,8 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "holds the shared tier's page objects (sparkcache.store.s3_backend); empty: no "
                "remote store. Credentials come from the standard AWS variables and files "
                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, "
-               "~/.aws/credentials, web identity, the instance's role), never from a setting.",
+               "~/.aws/credentials, web identity, the instance's role), never from a setting. "
+               "The connector does not use the remote store yet (docs/REMOTE.md).",
                pattern=REMOTE_BUCKET_PATTERN),
     SettingRow("REMOTE_ENDPOINT", "str", "", "URL of the S3-compatible endpoint (scheme, host "
                "and port only, no user or path: e.g. http://seaweedfs:8333); empty: AWS S3 in "

@@ -47,10 +47,9 @@ _STREAM_CHUNK = 8 << 20  # a GET's bytes are copied and hashed this much at a ti
 
 
 class S3Backend:
-    """``backend.ObjectBackend`` on an S3 bucket (see the module docstring). ``client``: an
-    obstore store to use instead of the one ``location`` opens (a test's)."""
+    """``backend.ObjectBackend`` on an S3 bucket (see the module docstring)."""
 
-    def __init__(self, location: S3Location, client=None) -> None:
+    def __init__(self, location: S3Location) -> None:
         import obstore
         from obstore import exceptions
 
@@ -59,7 +58,7 @@ class S3Backend:
         # what a request may raise: obstore's errors, and builtin ones (a missing object is a
         # FileNotFoundError, caught before these wherever it means "absent")
         self._failures = (exceptions.BaseError, OSError, ValueError)
-        self._client = client if client is not None else open_client(location)
+        self._client = open_client(location)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
