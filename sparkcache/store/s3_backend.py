@@ -183,12 +183,19 @@ class S3Backend:
 
     def each(self, fn: Callable, items: list) -> list:
         """``[fn(item) for item in items]``, up to ``requests_in_flight`` at once (obstore
-        releases the GIL while it waits); every call ends before the first failure in
+        releases the GIL while it waits). Once a call has failed, the calls not begun are not
+        made (against a server that does not answer, a batch then waits for one round of
+        timeouts, not one per object); every call begun ends before the first failure in
         ``items`` order is raised."""
+        failed = threading.Event()
+
         def call(item):
+            if failed.is_set():
+                return _NOT_MADE
             try:
                 return fn(item)
             except Exception as exc:  # noqa: BLE001 - raised below, once every call has ended
+                failed.set()
                 return _Failed(exc)
 
         if len(items) <= 1 or self.location.requests_in_flight == 1:
@@ -221,6 +228,9 @@ class _Failed:
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+_NOT_MADE = object()  # a call of ``each`` not made: an earlier one failed
 
 
 def _just_before(key: str) -> str:

@@ -109,10 +109,13 @@ def test_a_stopped_server_is_an_error_of_the_promised_kind_within_the_timeout(tm
     """SIGKILLed: nothing listens, each request is refused, and every operation ends at once
     with the interface's error (``OSError`` from exists, list and a batch; ``ObjectError``
     ``io_error`` from get and delete). SIGSTOPped: it accepts and never answers; the request
-    timeout ends each operation. Started again on its directory, the same objects are there."""
+    timeout ends each operation; a batch of many objects too, however few requests it keeps in
+    flight (once one has failed, the rest are not sent). Started again on its directory, the same
+    objects are there."""
     timeout_s = 1.0
     with SeaweedFS(tmp_path / "s") as server:
-        backend = s3_backend(server, monkeypatch, timeout_s=timeout_s, connect_timeout_s=0.5, retries=1)
+        backend = s3_backend(server, monkeypatch, timeout_s=timeout_s, connect_timeout_s=0.5, retries=1,
+                             requests_in_flight=2)
         kept = NewObject.of(os.urandom(50_000))
         _put(backend, kept.data)
         for stop, code in ((server.kill, errno.ECONNREFUSED), (lambda: os.kill(server.proc.pid, signal.SIGSTOP),
@@ -121,6 +124,7 @@ def test_a_stopped_server_is_an_error_of_the_promised_kind_within_the_timeout(tm
             try:
                 for operation in (lambda: backend.exists([kept.ref.digest]), lambda: backend.list(),
                                   lambda: _put(backend, os.urandom(1000)),
+                                  lambda: _put(backend, *(os.urandom(1000) for _ in range(12))),
                                   lambda: backend.get(kept.ref), lambda: backend.delete(kept.ref.digest)):
                     started = time.monotonic()
                     with pytest.raises((OSError, ObjectError)) as caught:
