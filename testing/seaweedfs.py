@@ -144,29 +144,28 @@ class SeaweedFS:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the server and reap it (nothing it holds is flushed: a crash)."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.proc = None
+        """SIGKILL the server and reap it (nothing it holds is flushed: a crash); then remove the
+        gRPC sockets weed leaves in /tmp, named by our ports (whether or not it was running)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+        for name, port in self.ports.items():
+            if name.endswith(".grpc"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/tmp/seaweedfs-{name[:-len('.grpc')]}-grpc-{port}.sock")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``grace_s``."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+        """SIGTERM, then SIGKILL after ``grace_s`` (and ``kill``'s cleanup, also when it was
+        killed already)."""
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
         self.kill()
-        for name, port in self.ports.items():  # weed puts its gRPC sockets in /tmp, named by port
-            if name.endswith(".grpc"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"/tmp/seaweedfs-{name[:-len('.grpc')]}-grpc-{port}.sock")
 
     def __enter__(self) -> "SeaweedFS":
         return self.start()

@@ -48,6 +48,7 @@ def test_after_a_sigkill_the_same_server_comes_back_with_its_objects(tmp_path):
         assert server.endpoint.url == url and server.starts == 2
         assert bytes(obstore.get(store, "kept").bytes()) == b"before the kill"
         obstore.put(store, "after", b"written after the restart", use_multipart=False)
+        server.kill()  # as a failing test leaves it: stopping it then still cleans up
     # weed puts its gRPC sockets in /tmp, named by their ports: stopping it takes them away
     assert [p for p in server.ports.values() if glob.glob(f"/tmp/seaweedfs-*-grpc-{p}.sock")] == []
 
@@ -67,3 +68,4 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path):
             server.start()
     assert str(server.log_file) in str(caught.value) and "log tail" in str(caught.value)
     assert not server.running()
+    assert [p for p in server.ports.values() if glob.glob(f"/tmp/seaweedfs-*-grpc-{p}.sock")] == []
