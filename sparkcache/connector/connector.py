@@ -29,6 +29,7 @@ from sparkcache.store import PageStore
 from .capture_plans import CapturePlan
 from .identity import make_identity, shard_identities
 from .kv_layout import KVLayout, LayoutKind
+from .prefill_hold import prefill_tokens
 from .scheduler_side import LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
 from .worker_side import WorkerSide
@@ -53,6 +54,7 @@ logger = logging.getLogger("sparkcache.connector")
 class SparkcacheConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     captures: list[CapturePlan] = field(default_factory=list)
+    prefill_tokens: int = 0  # the step's tokens beyond decoding: publication holds still meanwhile
 
 
 @dataclass
@@ -255,7 +257,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             loads, captures = self._sched.build_meta(scheduler_output)
         # the last scheduler hook of schedule(): a step is from one call to the next
         self._sched.samples.add("scheduler_step_seconds", self._take_step_s())
-        return SparkcacheConnectorMetadata(loads, captures)
+        return SparkcacheConnectorMetadata(loads, captures, prefill_tokens(
+            scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens))
 
     def on_new_request(self, request: Request) -> None:
         if self._sched is not None:
@@ -310,6 +313,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, SparkcacheConnectorMetadata)
         with self._in_step():
+            self._worker.hold.step(meta.prefill_tokens)
             for plan in meta.captures:
                 self._worker.capture(plan)
         for plan in meta.loads:  # timed on their own (restore_seconds)
@@ -325,6 +329,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         # After the forward: a hybrid capture copies the state this step wrote.
         if self._worker is not None:
+            self._worker.hold.step_done()
             with self._in_step():
                 self._worker.capture_after_forward()
 
@@ -335,6 +340,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
+        self._worker.hold.step_done()  # the forward is done (vLLM may skip wait_for_save)
         with self._in_step():
             sending, recving, failed = self._worker.take_results()
         return KVConnectorTransferResults(sending, recving, failed)

@@ -60,6 +60,7 @@ from . import kv_copy, restore_ring
 from .capture_plans import NULL_BLOCK_ID, CapturePlan
 from .capture_slots import CaptureSlots, CaptureSlotStats
 from .kv_layout import KVLayout, LayoutKind
+from .prefill_hold import PrefillHold
 from .samples import Samples, add_count
 from .scheduler_side import LoadPlan, StoredPages
 from .worker_maintenance import WorkerMaintenance
@@ -136,6 +137,7 @@ class WorkerSide:
         self.slots: CaptureSlots[_PublishJob, str] | None = None  # tagged by request id
         self._slot_stats_taken = CaptureSlotStats()  # the slots' counts at the last take_stats
         self.maintenance: WorkerMaintenance | None = None
+        self.hold = PrefillHold()  # publication holds still while a step prefills
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             # before the publisher and maintenance threads start: they move off these CPUs
             model_cpus = cpus.note_model_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
@@ -640,7 +642,7 @@ class WorkerSide:
             pages = (self._stream(job, buffer_of()) if job.pages is None
                      else [None] * job.reuse_pages + job.pages)
             result = self.store.publish(self.identity, job.keys, pages, blocks_per_page=self.bpp,
-                                        state=job.state)
+                                        state=job.state, pace=self.hold.wait)
         finally:
             if job.pages is None:
                 # A publication refused before it read its pages: the copier may still be

@@ -146,7 +146,8 @@ class PageStore:
     def publish(self, identity: Identity, block_hashes: Sequence[BlockHash],
                 pages: Sequence[bytes | memoryview | None] | PageStream, *,
                 blocks_per_page: int | None = None,
-                state: bytes | memoryview | None = None) -> PublishResult:
+                state: bytes | memoryview | None = None,
+                pace: Callable[[], None] | None = None) -> PublishResult:
         """Publish the prefix ``block_hashes`` with its page bytes.
 
         A page (and ``state``) is any C-contiguous buffer, stored as its bytes in row-major
@@ -160,6 +161,8 @@ class PageStore:
         chunk at a time, so an entry of any length goes through a bounded buffer; a producer
         that fails refuses the publication with ``source_failed``). ``state``: a hybrid
         model's recurrent state after the last block, stored as one more object of the entry.
+        ``pace``: called before each page is put; the publication waits while it does (the
+        connector holds publication there while the model prefills).
         """
         if self.read_only:
             raise PermissionError(f"{self.layout.base}: opened read-only; publishing needs a "
@@ -207,7 +210,7 @@ class PageStore:
         if too_much is not None:
             return self._failed(Reason.OVER_CAPACITY, started, entry_id, too_much)
         staging = Staging(self.layout)
-        writer = PublicationWriter(self.layout, self.objects, staging)
+        writer = PublicationWriter(self.layout, self.objects, staging, pace)
         try:
             staging.open()
             refs = writer.write_pages(stream, reused_refs)

@@ -43,10 +43,12 @@ class PublicationWriter:
     """Writes the objects of one publication to ``objects`` and its manifest under
     ``layout``, through ``staging``."""
 
-    def __init__(self, layout: StoreLayout, objects: ObjectBackend, staging: Staging) -> None:
+    def __init__(self, layout: StoreLayout, objects: ObjectBackend, staging: Staging,
+                 pace: Callable[[], None] | None = None) -> None:
         self.layout = layout
         self.objects = objects
         self.staging = staging
+        self.pace = pace or (lambda: None)  # called before each page is put; may wait
         self.batch = objects.put_batch(staging)
         self.receipt = PutReceipt()  # what the batch put, once committed
 
@@ -68,6 +70,7 @@ class PublicationWriter:
                 if obj.ref.digest in seen:
                     continue
                 seen.add(obj.ref.digest)
+                self.pace()
                 if self._claim(obj.ref):
                     self.batch.add(obj)
         done = [r for r in refs if r is not None]

@@ -117,3 +117,34 @@ def test_a_state_after_a_stream_through_one_buffer_leaves_every_page_its_bytes(t
     found = store.lookup(IDENT, conv_keys(3, 8), with_state=True)
     assert [bytes(p) for p in store.read(found.handle).pages] == pages
     assert bytes(store.read_pages([found.handle.state])[0]) == b"state"
+
+
+def test_a_publication_waits_in_its_pace_before_each_page_and_writes_nothing_meanwhile(tmp_path):
+    """``pace`` is called before each page is put (the connector holds publication there
+    while the model prefills): while it waits, no object of the publication is written."""
+    import threading
+
+    store = open_store(str(tmp_path / "s"), page_blocks=1)
+    pages = [page_bytes(31, b, 1) for b in range(4)]
+    go = threading.Event()
+    calls: list[int] = []
+
+    def pace() -> None:
+        calls.append(len(store.objects.list()))
+        go.wait(30)
+
+    done: list = []
+    publisher = threading.Thread(target=lambda: done.append(store.publish(IDENT, conv_keys(31, 4), pages, pace=pace)))
+    publisher.start()
+    try:
+        for _ in range(200):
+            if calls:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.1)
+        assert calls == [0] and store.objects.list() == [], "a page was written while its pace held it"
+    finally:
+        go.set()
+        publisher.join(30)
+    assert done and done[0].ok and len(calls) == 4, (done, calls)
+    assert len(store.objects.list()) == 4
