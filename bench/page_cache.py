@@ -78,11 +78,12 @@ def evict(paths: list[str]) -> None:
 def read_rate(paths: list[str], *, cold: bool) -> dict:
     """The raw read rate of the files: each read whole (``readinto``, no hashing, no placement)
     into its own place in one buffer (of them all, or of ``BUFFER_CAP`` reused in turn),
-    faulted in but out of the CPU's caches, as the KV cache blocks a restore writes into are (``evict_cpu_caches``), from disk
-    (``cold``: evicted first) or from the page cache (read just before the timed read, as a
-    warm restore finds them). ``{"bytes", "seconds", "gb_per_s"}``; warm, also
-    ``hot_destination_seconds`` and ``hot_destination_gb_per_s``: the same read once more into the same buffer, now in the
-    CPU's caches (what a buffer read twice measures, no restore's state)."""
+    faulted in but out of the CPU's caches, as the KV cache blocks a restore writes into are
+    (``evict_cpu_caches``), from disk (``cold``: evicted first) or from the page cache (read
+    just before the timed read, as a warm restore finds them). ``{"bytes", "seconds",
+    "gb_per_s"}``; warm, also ``hot_destination_seconds`` and ``hot_destination_gb_per_s``:
+    the same read once more into the same buffer, now in the CPU's caches (what a buffer read
+    twice measures, no restore's state)."""
     import time
 
     if cold:
