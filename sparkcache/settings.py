@@ -292,7 +292,8 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "and port only, no user or path: e.g. http://seaweedfs:8333); empty: AWS S3 in "
                "the region AWS_REGION names.", pattern=REMOTE_ENDPOINT_PATTERN),
     SettingRow("REMOTE_PREFIX", "str", "sparkcache", "Key prefix under which the remote store "
-               "keeps its objects (PREFIX/objects/ab/<the 64-hex digest>): '/'-separated names "
+               "keeps its keys (PREFIX/NAMESPACE/<identity digest>/ then objects/ab/<the 64-hex "
+               "digest>, manifests/, keys/, access/: docs/REMOTE.md): '/'-separated names "
                "of letters, digits, '.', '_' and '-'.", pattern=REMOTE_PREFIX_PATTERN),
     SettingRow("REMOTE_CONNECT_TIMEOUT_SECONDS", "float", 2.0, "Limit on connecting to the "
                "remote endpoint, each try.", minimum=0.05, maximum=60),
