@@ -185,7 +185,7 @@ def test_cli_does_not_import_vllm_or_torch(tmp_path):
 
 # Each subcommand with the positional arguments it needs; the store root does not exist, so a
 # usage error must be reported before the store is looked for (or imported).
-SUBCOMMANDS = {"status": (), "verify": (), "gc": (), "inspect": ("abcdef",)}
+SUBCOMMANDS = {"status": (), "verify": (), "gc": (), "inspect": ("abcdef",), "remote-check": ()}
 
 
 def _refused_in_one_line(cli, *needles: str) -> str:

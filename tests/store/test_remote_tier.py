@@ -16,7 +16,7 @@ from sparkcache.store import Identity, PageStore
 from sparkcache.store.remote_counts import (CORRUPT_REMOVED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, UPLOADS_DONE,
                                             FetchReason)
 from sparkcache.store.remote_keys import RemoteKeys
-from store_helpers import IDENT
+from store_helpers import IDENT, run_cli
 
 OTHER = Identity("tiny-llama", "fp16:L2:H4:D32", 16, 1, "lock-abc")  # another rank's shard
 HEX_KEYS = [f"{i:08x}{'ab' * 12}" for i in range(1, 41)]  # 40 chained-looking hex keys
@@ -139,3 +139,16 @@ def test_a_pointer_to_a_missing_manifest_another_identity_and_diverging_keys_are
     for reason in (FetchReason.MANIFEST_ABSENT, FetchReason.WRONG_IDENTITY, FetchReason.DIVERGED):
         assert counts[MISS_KEYS[reason]] == 1, counts
     assert pair.b.entries() == [] and PageStore.verify_root(str(tmp_path / "b")).ok
+
+
+def test_remote_check_on_the_command_line_names_a_broken_entry(pair, seaweedfs, tmp_path):
+    entry_id = _publish(pair.a, HEX_KEYS)
+    _upload(pair.up, entry_id)
+    env = {"SPARKCACHE_ROOT": str(tmp_path / "a"), "SPARKCACHE_REMOTE_BUCKET": seaweedfs.endpoint.bucket,
+           "SPARKCACHE_REMOTE_ENDPOINT": seaweedfs.endpoint.url, "SPARKCACHE_REMOTE_PREFIX": pair.prefix}
+    done = run_cli("remote-check", env=env)
+    assert done.returncode == 0 and "entries=1 " in done.stdout and "-> ok" in done.stdout, done
+    obstore.delete(seaweedfs.raw_store(), pair.mine.object_key(pair.a.entry(entry_id).manifest.pages[0].digest))
+    done = run_cli("remote-check", env=env)
+    assert done.returncode == 1 and "BAD absent" in done.stdout and pair.mine.manifest_key(entry_id) in done.stdout, done
+    assert seaweedfs.endpoint.secret_key not in done.stdout + done.stderr
