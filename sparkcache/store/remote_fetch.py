@@ -153,6 +153,8 @@ class Fetcher:
             return FetchResult(miss.reason, miss.entry_id, detail=miss.detail)
         except OSError as exc:
             return FetchResult(FetchReason.IO_ERROR, detail=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a fetch never raises: anything else is a miss too
+            return FetchResult(FetchReason.IO_ERROR, detail=f"{type(exc).__name__}: {exc}")
 
     def _deepest_pointer(self, shard: RemoteShard, keys: list[str]) -> tuple[int, str]:
         """The deepest indexed position whose pointer is present, and the entry it names."""
