@@ -119,6 +119,7 @@ class Fetcher:
             result = future.result(timeout=max(0.0, limit - (time.monotonic() - started)))
         except FutureTimeout:
             cancelled.set()
+            future.cancel()  # one still waiting for a worker never starts
             self.counts.add(DEADLINE_EXCEEDED)
             result = FetchResult(FetchReason.DEADLINE, detail=f"not done within {limit:g} s "
                                  "(SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS); the request recomputes")
@@ -130,6 +131,8 @@ class Fetcher:
 
     def _fetch(self, identity: Identity, keys: list[str], cancelled: threading.Event) -> FetchResult:
         try:
+            if cancelled.is_set():
+                raise _Miss(FetchReason.DEADLINE, "the deadline passed before a worker was free")
             if not keys:
                 raise _Miss(FetchReason.NOT_FOUND, "no block keys asked")
             shard = self.bucket.shard(self.local.namespace, identity.digest())
