@@ -174,7 +174,15 @@ COUNTERS: tuple[CounterMetric, ...] = (
              "process's publications), shared (a publication, 10 s, or a leased lookup, 2 s: a "
              "holder that slow may be stopped or hung; the log says so at most once a minute).",
              "lock", {"lock_timeouts_shared": "shared", "lock_timeouts_exclusive": "exclusive"}),
-    # The shared tier (sparkcache/store/remote_*.py; the connector does not use it yet).
+    # The shared tier (sparkcache/store/remote_*.py): its counts, drained by the workers (uploads)
+    # and the scheduler (fetches), and what the scheduler counts of the requests it fetched for.
+    _counter("remote_request_fetches", "Requests the scheduler held back (vLLM skips them a step "
+             "or more) to fetch every rank's shard of their prompt from the shared tier after a local "
+             "miss, by outcome: hit (every rank's shard now local) or miss (they recompute what is "
+             "not local).", "outcome", {"remote_request_fetch_hit": "hit", "remote_request_fetch_miss": "miss"}),
+    _counter("attributed_remote_tokens", "Prompt tokens of finished requests restored from an entry "
+             "fetched from the shared tier for them (part of attributed_tokens{source=external}).",
+             None, {"attr_remote_tokens": ""}),
     _counter("remote_uploads", "Entries uploaded whole to the shared tier (objects, then the "
              "manifest, then the pointers).", None, {UPLOADS_DONE: ""}),
     _counter("remote_upload_bytes", "Object bytes PUT to the shared tier (objects already there "
@@ -250,6 +258,9 @@ HISTOGRAMS: tuple[HistogramMetric, ...] = (
                     "reuse).", _BYTES),
     HistogramMetric("capture_wait_seconds", "From a request's last planned capture to every "
                     "rank's report that it settled (published, refused or skipped).", _SECONDS),
+    HistogramMetric("remote_fetch_wait_seconds", "From a request's local miss to the end of its "
+                    "fetch of every rank's shard from the shared tier (hit or miss; bounded by "
+                    "SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS): how long the request waited.", _SECONDS),
     HistogramMetric("maintenance_pass_seconds", "Wall time of one maintenance pass, lock wait "
                     "included.", _SECONDS),
     HistogramMetric("scheduler_step_seconds", "Time one engine step spent in the connector's "

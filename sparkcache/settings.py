@@ -286,7 +286,9 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "remote store. Credentials come from the standard AWS variables and files "
                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, "
                "~/.aws/credentials, web identity, the instance's role), never from a setting. "
-               "The connector does not use the remote store yet (docs/REMOTE.md).",
+               "Set, every writing worker uploads what it publishes in the background and the "
+               "scheduler fetches an entry the local store lacks before it offers "
+               "(docs/REMOTE.md).",
                pattern=REMOTE_BUCKET_PATTERN),
     SettingRow("REMOTE_ENDPOINT", "str", "", "URL of the S3-compatible endpoint (scheme, host "
                "and port only, no user or path: e.g. http://seaweedfs:8333); empty: AWS S3 in "
@@ -315,6 +317,10 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                minimum=0.05, maximum=600),
     SettingRow("REMOTE_NEGATIVE_CACHE_SECONDS", "float", 2.0, "How long a prefix the remote store "
                "did not hold is not asked again (0: always ask).", minimum=0, maximum=3600),
+    SettingRow("REMOTE_DRAIN_SECONDS", "float", 5.0, "At shutdown, how long a worker waits "
+               "for its pending uploads to the remote store before it stops (what is left is not "
+               "uploaded; the next publication of that prefix queues it again); within the time "
+               "vLLM gives its worker to stop.", minimum=0, maximum=3600),
     # The scheduler transforms' options (docs/RUNTIME_CONTRACT.md); absent means upstream behaviour.
     SettingRow("GPU_LEASE_SECONDS", "json_number", None, "GPU-lease accounting: a deadline on "
                "every delayed free of a finished request's blocks, whose retired recurrent "
@@ -379,6 +385,7 @@ class Settings:
     remote_upload_queue_bytes: int
     remote_fetch_deadline_seconds: float
     remote_negative_cache_seconds: float
+    remote_drain_seconds: float
     gpu_lease_seconds: float | None
     prefer_local_prefix: bool
     retain_decode_checkpoint: bool

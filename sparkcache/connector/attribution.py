@@ -10,7 +10,10 @@ KV the first output token was computed from):
 
 The three sum to ``prompt_tokens``. ``input`` says what the prompt was made of (``InputKind``:
 ``text``, ``multimodal`` when it carries images or other multimodal items, ``prompt_embeds``),
-so the restored tokens of image turns can be told from the rest. A preemption before the prefill completes starts a new
+so the restored tokens of image turns can be told from the rest. ``remote_tokens`` is the part
+of ``external_tokens`` restored from an entry the scheduler fetched from the shared tier
+(``SPARKCACHE_REMOTE_BUCKET``; docs/REMOTE.md) for this request: 0 when the restore read an
+entry the local store held already. A preemption before the prefill completes starts a new
 admission (counted in ``preemptions``); a failed restore is counted in ``failed_restores``
 and its tokens are recomputed. ``complete`` is False (with ``reason``) when the prefill
 never completed (aborted, or finished while a restore was in flight): then the numbers
@@ -58,11 +61,14 @@ class AttributionRecord:
     preemptions: int = 0
     failed_restores: int = 0
     admissions: int = 0
+    remote_tokens: int = 0  # of external_tokens: restored from an entry fetched from the shared tier
     input: InputKind = InputKind.TEXT
     prefill_done: bool = field(default=False, repr=False)
 
-    def admit(self, computed_at_admission: int, consumed_external: int, *, resumed: bool = False) -> None:
-        """A (re-)admission that schedules tokens with ``computed_at_admission`` computed."""
+    def admit(self, computed_at_admission: int, consumed_external: int, *, resumed: bool = False,
+              remote: bool = False) -> None:
+        """A (re-)admission that schedules tokens with ``computed_at_admission`` computed;
+        ``remote``: its restore reads an entry the scheduler fetched from the shared tier."""
         if self.prefill_done:
             return
         if resumed:
@@ -73,6 +79,7 @@ class AttributionRecord:
         self.admissions += 1
         self.local_hit_tokens = computed - external
         self.external_tokens = external
+        self.remote_tokens = external if remote else 0
         self.recomputed_tokens = p - computed
         self.reason = "prefill_running"
 
@@ -81,6 +88,7 @@ class AttributionRecord:
         placed, vLLM recomputes them (and discards the step's output)."""
         tokens = min(max(tokens, 0), self.external_tokens)
         self.external_tokens -= tokens
+        self.remote_tokens = min(self.remote_tokens, self.external_tokens)
         self.recomputed_tokens += tokens
         if self.prefill_done:
             self.prefill_done = self.complete = False

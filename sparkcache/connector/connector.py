@@ -24,12 +24,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sparkcache.settings import Settings, SettingsError, load_settings
-from sparkcache.store import PageStore
+from sparkcache.store import Identity, PageStore
+from sparkcache.store.remote_tier import RemoteTier
 
 from .capture_plans import CapturePlan
 from .identity import make_identity, shard_identities
 from .kv_layout import KVLayout, LayoutKind
 from .prefill_hold import prefill_tokens
+from .remote_fetches import RemoteFetches
 from .scheduler_side import LoadPlan, SchedulerSide
 from .stats import SparkcachePromMetrics, SparkcacheStats
 from .worker_side import WorkerSide
@@ -151,6 +153,17 @@ def _rank_stores(settings: Settings, ranks: int) -> tuple[PageStore, ...] | None
     return None if any(s is None for s in stores) else stores
 
 
+def _remote_fetches(settings: Settings, identities: tuple[Identity, ...],
+                    stores: tuple[PageStore, ...] | None) -> RemoteFetches | None:
+    """The scheduler's fetches from the shared tier: with ``SPARKCACHE_REMOTE_BUCKET`` set and a
+    store it may write (read-write: a fetched entry is written into it), one tier per store."""
+    if not settings.remote_bucket or not stores or settings.access_mode != "read-write":
+        return None
+    tiers = {id(store): RemoteTier.from_settings(settings, store) for store in stores}
+    return RemoteFetches(tuple(tiers[id(store)] for store in stores), identities,
+                         settings.remote_fetch_deadline_seconds)
+
+
 def _worker_ranks() -> tuple[int, dict[str, int]]:
     """This worker's tensor-parallel rank, and its pipeline and prefill-context-parallel
     ranks (which layers and tokens its pages hold). vLLM initialises every group before it
@@ -205,8 +218,11 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
                                              declared_weights=declared)
             _report_layout(layout)
             identities = shard_identities(vllm_config, identity)
-            self._sched = SchedulerSide(self.settings, identities, _rank_stores(self.settings, len(identities)),
-                                        self.block_size, layout, len(kv_cache_config.kv_cache_groups))
+            stores = _rank_stores(self.settings, len(identities))
+            remote = (_remote_fetches(self.settings, identities, stores)
+                      if self.mode != "disabled" and layout.kind is not LayoutKind.UNSUPPORTED else None)
+            self._sched = SchedulerSide(self.settings, identities, stores, self.block_size, layout,
+                                        len(kv_cache_config.kv_cache_groups), remote)
             self._sched.num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
         else:
             rank, ranks = _worker_ranks()
@@ -397,4 +413,6 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close()  # its pending uploads get SPARKCACHE_REMOTE_DRAIN_SECONDS
+        if self._sched is not None and self._sched.remote is not None:
+            self._sched.remote.close()  # running fetches are abandoned (they end by their deadline)

@@ -14,6 +14,10 @@ Per request it keeps one ``_ReqState``. The flow:
   the worker meta. Otherwise
   loads are asynchronous, so a failure can be reported per request (``failed_recving``),
   which also works for hybrid models, at the price of one more engine step.
+  With a shared tier (``SPARKCACHE_REMOTE_BUCKET``), when the local store offers fewer blocks
+  than the prompt could use, every rank's shard is fetched from it off this thread
+  (``remote_fetches``) while vLLM is answered None (it skips the request this step and asks
+  again); once the fetch ended (by its deadline at the latest) the local lookup is done again.
 - ``update_state_after_alloc``: a load plan (keys, first block, destination blocks).
 - ``build_connector_meta``: hands load and capture plans to the workers and records each
   admission for attribution.
@@ -59,6 +63,8 @@ if TYPE_CHECKING:  # for readers and type checkers; never imported at run time h
 
     from sparkcache.settings import Settings
     from sparkcache.store import EntryHandle, Identity, PageStore
+
+    from .remote_fetches import RemoteFetches, UnitFetch
 
 from .attribution import AttributionRecord, InputKind, emit
 from .capture_plans import CapturePlan, CapturePlanner
@@ -123,6 +129,8 @@ class _ReqState:
     sync_load_tokens: int = 0              # synchronous load planned this step, not yet admitted
     sync_consumed: int = 0                 # external tokens of the synchronous load admitted
     restore_refused: bool = False
+    remote_entry: str | None = None        # rank 0's entry fetched from the shared tier for it
+    load_remote: bool = False              # its load reads that entry (attribution: remote_tokens)
     finished: bool = False
     unsupported: str | None = None         # why this request is neither offered nor captured
 
@@ -137,8 +145,9 @@ class SchedulerCounters:
 
 class SchedulerSide:
     def __init__(self, settings: Settings, identities: tuple[Identity, ...], stores: tuple[PageStore, ...] | None,
-                 block_size: int, layout: KVLayout, num_groups: int) -> None:
+                 block_size: int, layout: KVLayout, num_groups: int, remote: RemoteFetches | None = None) -> None:
         self.settings = settings
+        self.remote = remote  # fetches from the shared tier on a local miss (None: no bucket)
         self.mode = settings.access_mode if settings.enabled else "disabled"
         self.identities = identities  # one per rank's shard (``shard_identities``); rank 0's first
         # the store holding each rank's shards (one object for all when they share a root);
@@ -259,6 +268,12 @@ class SchedulerSide:
         if keys is None:
             return 0, False
         depth, handle = self._stored_depth(keys, with_state=self.hybrid)
+        if self._worth_fetching(st, depth, n_blocks, num_computed_tokens):
+            outcome = self.remote.poll(request.request_id, keys)
+            if outcome is None:  # fetching: vLLM skips the request this step and asks again
+                return None, False
+            self._fetched(st, outcome)
+            depth, handle = self._stored_depth(keys, with_state=self.hybrid)  # what is local now
         offered = depth * bs - num_computed_tokens
         if offered < max(1, self.settings.min_span_tokens):
             offered = 0
@@ -266,6 +281,25 @@ class SchedulerSide:
         if offered:
             st.last_found = handle
         return offered, offered > 0 and not self.sync_loads
+
+    def _worth_fetching(self, st: _ReqState, depth: int, n_blocks: int, num_computed: int) -> bool:
+        """Whether to ask the shared tier: the local store offers fewer blocks than the prompt
+        could use, by at least ``min_span_tokens``, and this request was not fetched for yet; or
+        its fetch runs (its outcome is waited for, whatever the local store holds meanwhile)."""
+        if self.remote is None or self.remote.is_done(st.request.request_id):
+            return False
+        if self.remote.running(st.request.request_id):
+            return True
+        gain = n_blocks * self.block_size - max(depth * self.block_size, num_computed)
+        return gain >= max(1, self.settings.min_span_tokens)
+
+    def _fetched(self, st: _ReqState, outcome: UnitFetch) -> None:
+        self.samples.add("remote_fetch_wait_seconds", outcome.duration_s)
+        self.counters.add("remote_request_fetch_hit" if outcome.hit else "remote_request_fetch_miss")
+        st.remote_entry = outcome.entry_ids[0] if outcome.hit else None
+        if not outcome.hit:
+            logger.debug("sparkcache: %s not fetched from the shared tier: %s", st.request.request_id,
+                         ", ".join(r.value for r in outcome.reasons))
 
     def _stored_depth(self, keys: list[str], with_state: bool = False) -> tuple[int, EntryHandle | None]:
         """How many leading blocks of ``keys`` every rank's shard holds (``with_state``: the
@@ -303,6 +337,7 @@ class SchedulerSide:
         group_ids = blocks.get_block_ids()
         found = st.last_found
         stored = StoredPages.of(found, start, end) if found is not None and end <= found.block_count else None
+        st.load_remote = found is not None and found.entry_id == st.remote_entry
         plan = LoadPlan(request.request_id, self._keys(st, end), start,
                         [list(ids[start:end]) for ids in group_ids], sync=self.sync_loads, stored=stored)
         if plan.sync:  # placed in this step, before the forward: nothing stays in flight
@@ -385,7 +420,7 @@ class SchedulerSide:
             consumed = st.sync_load_tokens  # placed before this step's forward (undone on failure)
         st.sync_consumed = consumed if st.sync_load_tokens else 0
         st.load_done_ok = st.sync_load_tokens = 0
-        st.record.admit(num_computed, consumed, resumed=resumed)
+        st.record.admit(num_computed, consumed, resumed=resumed, remote=st.load_remote)
         self._progress(st, num_computed, out)
 
     def _progress(self, st: _ReqState, num_computed: int, out: SchedulerOutput) -> None:
@@ -470,6 +505,9 @@ class SchedulerSide:
         self.counters.add("attr_external_tokens", record.external_tokens)
         self.counters.add("attr_external_tokens_" + record.input.value, record.external_tokens)
         self.counters.add("attr_recomputed_tokens", record.recomputed_tokens)
+        self.counters.add("attr_remote_tokens", record.remote_tokens)
+        if self.remote is not None:
+            self.remote.forget(request.request_id)
         params = {"sparkcache": record.public()}
         if st.load_plan is not None:
             # A load is in flight into these blocks: keep them until the workers report it.
@@ -501,6 +539,7 @@ class SchedulerSide:
         """Keep vLLM stepping until every planned capture settled, every lone shard found at
         the settlement is removed (or its retries ended) and counters were taken."""
         now = time.monotonic() if now is None else now
+        self._take_remote_counts()
         lone = self.units is not None and self.units.pending(now)
         if self.unsettled:
             for req_id, (_, deadline) in list(self.unsettled.items()):
@@ -513,7 +552,14 @@ class SchedulerSide:
                     self._capture_sent.pop(req_id, None)
         return bool(self.unsettled or self.counters.data or lone)
 
+    def _take_remote_counts(self) -> None:
+        """The shared tier's counts (its fetches, on its threads) into this half's counters."""
+        if self.remote is not None:
+            for key, n in self.remote.drain_counts().items():
+                self.counters.add(key, n)
+
     def take_counters(self) -> dict:
+        self._take_remote_counts()
         data, self.counters.data = self.counters.data, {}
         return data
 

@@ -54,6 +54,7 @@ from sparkcache.store import ObjectError
 from sparkcache.store.layout import done_now, submit
 from sparkcache.store.manifests import pages_needed
 from sparkcache.store.reasons import Reason
+from sparkcache.store.remote_tier import RemoteTier
 from sparkcache.store.streams import PageSourceError, PageStream
 
 from . import kv_copy, restore_ring
@@ -138,6 +139,7 @@ class WorkerSide:
         self._slot_stats_taken = CaptureSlotStats()  # the slots' counts at the last take_stats
         self.maintenance: WorkerMaintenance | None = None
         self.hold = PrefillHold()  # publication holds still while a step prefills
+        self.remote: RemoteTier | None = None  # the shared tier this rank uploads to (writing workers)
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             # before the publisher and maintenance threads start: they move off these CPUs
             model_cpus = cpus.note_model_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
@@ -152,6 +154,9 @@ class WorkerSide:
             self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_as_publisher)
             self._copier.submit(int)  # its thread starts now, not in the first capture's step
             self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
+            # the shared tier (SPARKCACHE_REMOTE_BUCKET set): what this rank publishes is
+            # uploaded by the tier's thread, placed as the publisher is (off the model's CPUs)
+            self.remote = RemoteTier.from_settings(settings, store)
             # for the process's life (a worker lives as long as vLLM's worker process)
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         if store is not None:
@@ -477,6 +482,12 @@ class WorkerSide:
             return plan.stored
         end = len(plan.keys)
         found = self.store.lookup(self.identity, plan.keys, with_state=self.layout.has_state)
+        if not found.hit or found.hit_blocks < end:
+            # Written moments ago by another process (the scheduler's fetch from the shared tier
+            # adopts every rank's shard): a lookup reads only the journal records that fit its
+            # budget, so read them all (``entries``) and look again before refusing.
+            self.store.entries()
+            found = self.store.lookup(self.identity, plan.keys, with_state=self.layout.has_state)
         if not found.hit:
             self._add("lookup_miss_" + found.reason)
         if not found.hit or found.hit_blocks < end:
@@ -654,6 +665,8 @@ class WorkerSide:
         self.samples.add("publication_seconds", result.duration_s)
         if result.ok:
             self.samples.add("publication_bytes", result.bytes_written)
+            if self.remote is not None:
+                self.remote.published(result)  # queued; uploaded by the tier's thread
         else:
             self._add("publish_failed_" + result.reason)
             if result.reason != Reason.LOCK_TIMEOUT:  # counted; the store logs long waits, rarely
@@ -699,6 +712,9 @@ class WorkerSide:
         pass_counters, gauges = self.maintenance.take() if self.maintenance is not None else ({}, {})
         for key, n in pass_counters.items():
             counters[key] = counters.get(key, 0) + n
+        if self.remote is not None:  # the uploads' counts (vllm:sparkcache_remote_*)
+            for key, n in self.remote.counts.drain().items():
+                add_count(counters, key, n)
         if self.slots is not None:
             s = dataclasses.replace(self.slots.stats)  # each count read once
             last, self._slot_stats_taken = self._slot_stats_taken, s
@@ -727,3 +743,17 @@ class WorkerSide:
             self._copier.shutdown(wait=True)
         if self.maintenance is not None:
             self.maintenance.stop()
+        if self.remote is not None:
+            self._drain_uploads(self.remote)
+
+    def _drain_uploads(self, tier: RemoteTier) -> None:
+        """Give the pending uploads ``SPARKCACHE_REMOTE_DRAIN_SECONDS`` to finish (after the
+        publications the slots drained), then stop the tier: never longer, whatever the remote
+        store does (what is left is not uploaded; docs/REMOTE.md, "Shutdown")."""
+        started = time.monotonic()
+        bound = self.settings.remote_drain_seconds
+        if not tier.uploads.wait_idle(bound):
+            logger.warning("sparkcache: %d bytes of entries not uploaded to the shared tier within "
+                           "SPARKCACHE_REMOTE_DRAIN_SECONDS=%g at shutdown; left local only (%s)",
+                           tier.uploads.pending_bytes, bound, tier.uploads.last_error or "no error")
+        tier.close(timeout_s=max(0.0, bound - (time.monotonic() - started)))

@@ -76,8 +76,10 @@ class RemoteTier:
     def check(self) -> CheckReport:
         return remote_check(self.bucket, self.local.namespace)
 
-    def close(self) -> None:
-        self.uploads.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop: the upload under way is waited for at most ``timeout_s`` (the queue's thread
+        is a daemon: a longer one does not keep the process alive)."""
+        self.uploads.close(timeout_s)
         self.fetcher.close()
         self.bucket.close()
         self.fetch_bucket.close()

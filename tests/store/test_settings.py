@@ -78,6 +78,7 @@ def test_env_and_extra_config_precedence():
     ("SPARKCACHE_REMOTE_UPLOAD_QUEUE_BYTES", "1000", "1MiB"),
     ("SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS", "0", "0.05 .. 600"),
     ("SPARKCACHE_REMOTE_NEGATIVE_CACHE_SECONDS", "-1", "0 .. 3600"),
+    ("SPARKCACHE_REMOTE_DRAIN_SECONDS", "-1", "0 .. 3600"),
 ])
 def test_bad_value_names_setting_value_and_range(var, value, expect):
     with pytest.raises(SettingsError) as err:
