@@ -1,0 +1,213 @@
+"""The shared tier's capacity sweeper (sparkcache/store/remote_sweeper.py, ``remote-gc``) on a real
+S3 server (the tests' SeaweedFS): a namespace filled as the tier fills it (remote_helpers), then
+swept. Over the bound the entries least recently accessed go first and every entry left reads
+back whole; objects no manifest names go only once older than the grace; pointers follow their
+entries; a server that stops answering, before or during a pass, deletes nothing it should not
+and says why; two sweepers at once leave the bucket consistent."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import obstore
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remote_helpers import NAMESPACE, RemoteNamespace, tick
+from sparkcache.store.remote_census import RemoteBucket, take_census
+from sparkcache.store.remote_keys import KeyKind
+from sparkcache.store.remote_sweeper import StoppedBy, Why, apply_sweep, plan_sweep, sweep
+from testing.seaweedfs import SeaweedFS
+
+GRACE_S = 3600.0
+
+
+def _sweep(ns: RemoteNamespace, max_bytes: int, **kw):
+    return sweep(ns.location, NAMESPACE, max_bytes, kw.pop("grace_s", GRACE_S), **kw)
+
+
+def _filled(ns: RemoteNamespace):
+    """Four entries, accessed in a known order: ``a`` (conversation 1, 8 blocks) is never
+    fetched after its upload, ``c`` (conversation 2) next, then ``b`` (conversation 1 grown to
+    12 blocks: it shares a's two pages, and a's first block key, whose pointer names a), then
+    ``d`` (conversation 3) last. Returns them and the bytes only c holds."""
+    a = ns.upload(1, 8)
+    b = ns.upload(1, 12)
+    c = ns.upload(2, 12)
+    d = ns.upload(3, 12)
+    for entry in (c, b, d):
+        tick()
+        ns.access(entry)
+    c_bytes = sum(ref.size for ref in c.manifest.objects)
+    return a, b, c, d, c_bytes
+
+
+def test_over_the_bound_the_least_recently_accessed_go_first_and_every_entry_left_reads_back(
+        seaweedfs, monkeypatch, tmp_path):
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path / "local")
+    a, b, c, d, c_bytes = _filled(ns)
+    used = ns.used_bytes()
+    bound = used - c_bytes  # evicting a frees nothing (b holds its pages): c must go too
+    planned = _sweep(ns, bound, dry_run=True)
+    assert planned.dry_run and planned.entries_evicted == 2 and planned.used_bytes_after == bound
+    assert ns.used_bytes() == used  # a dry run deletes nothing
+    report = _sweep(ns, bound)
+    assert report.stopped_by is StoppedBy.DONE, report
+    assert (report.entries_evicted, report.used_bytes_before, report.used_bytes_after) == (2, used, bound)
+    assert report.bytes_freed == c_bytes and not report.over_bound
+    assert ns.used_bytes() == bound
+    assert ns.assert_consistent() == sorted([b.entry_id, d.entry_id])  # b's shared pages survived a
+    kinds = ns.kinds()
+    assert kinds[KeyKind.ACCESS] == {b.entry_id, d.entry_id}
+    assert report.pointers_repointed == 1  # the first block key's pointer named a: now b
+    again = _sweep(ns, bound)
+    assert again.entries_evicted == 0 and again.requests_done == 0 and again.stopped_by is StoppedBy.DONE
+
+
+def test_an_entry_accessed_recently_survives_one_uploaded_long_ago(seaweedfs, monkeypatch, tmp_path):
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path / "local")
+    old = ns.upload(4, 8)
+    new = ns.upload(5, 8)
+    tick()
+    ns.access(old)  # fetched after new was uploaded: new is now the least recently accessed
+    report = _sweep(ns, ns.used_bytes() - 1)
+    assert report.entries_evicted == 1 and ns.assert_consistent() == [old.entry_id]
+    assert new.entry_id not in ns.kinds()[KeyKind.MANIFEST]
+
+
+def test_unreferenced_objects_go_once_older_than_the_grace_and_young_ones_stay(seaweedfs, monkeypatch, tmp_path):
+    """An upload in progress has PUT objects and not yet its manifest: its objects are younger
+    than the grace and stay. An upload cut short long ago left objects older than it: they go.
+    So do a pointer and an access mark of an entry that is not there, once as old."""
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path / "local")
+    kept = ns.upload(6, 8)
+    gone = ns.orphan(os.urandom(3000))
+    ghost = "f" * 40
+    ns.put(ns.keys.pointer_key("c99-b0"), ghost.encode())
+    ns.put(ns.keys.access_key(ghost), b"")
+    tick()
+    tick()
+    young = ns.orphan(os.urandom(5000))
+    listing = ns.listing()
+    now = listing[young]["last_modified"].timestamp()
+    grace = (now - listing[gone]["last_modified"].timestamp()) / 2  # between the two
+    report = _sweep(ns, 0, grace_s=grace, now=now)
+    assert report.stopped_by is StoppedBy.DONE, report
+    assert (report.orphans_deleted, report.pointers_deleted, report.access_marks_deleted) == (1, 1, 1)
+    assert (report.young_unreferenced_objects, report.young_unreferenced_bytes) == (1, 5000)
+    after = ns.listing()
+    assert young in after and gone not in after
+    assert ns.kinds()[KeyKind.ACCESS] == set() and ns.assert_consistent() == [kept.entry_id]
+
+
+def test_an_entry_whose_object_is_missing_is_dropped_whatever_the_bound(seaweedfs, monkeypatch, tmp_path):
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path / "local")
+    whole = ns.upload(7, 8)
+    broken = ns.upload(8, 8)
+    obstore.delete(ns.raw, ns.keys.object_key(broken.manifest.pages[1].digest))  # lost
+    report = _sweep(ns, 0)
+    assert (report.entries_evicted, report.incomplete_entries) == (1, 1)
+    assert ns.assert_consistent() == [whole.entry_id]
+
+
+def test_a_manifest_that_cannot_be_read_stops_the_pass_before_any_deletion(seaweedfs, monkeypatch, tmp_path):
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path / "local")
+    first = ns.upload(9, 8)
+    ns.upload(10, 8)
+    ns.put(first.manifest_key, b"SPKM1 not a manifest", create=False)
+    before = ns.listing()
+    report = _sweep(ns, 1)
+    assert report.stopped_by is StoppedBy.UNKNOWN and not report.ok
+    assert first.manifest_key in report.error and "nothing was deleted" in report.error
+    assert "remove that key" in report.error
+    assert ns.listing().keys() == before.keys()
+
+
+def test_a_server_that_stops_answering_deletes_nothing_and_the_cli_says_why(tmp_path, monkeypatch):
+    """Before the pass (SIGKILL): the census fails, nothing is deleted, the report and the CLI
+    (exit 1) name the endpoint and the fix. During the pass (SIGKILL once its first eviction
+    is done): it stops with ``error``, and what it left is consistent; the next pass finishes."""
+    with SeaweedFS(tmp_path / "s3") as server:
+        bounds = dict(timeout_s=2.0, connect_timeout_s=0.5, retries=0)
+        ns = RemoteNamespace(server, monkeypatch, tmp_path / "local", **bounds)
+        for conv in (11, 12, 13, 14):
+            ns.upload(conv, 8)
+        before = ns.listing()
+        server.kill()
+        try:
+            report = _sweep(ns, 1)
+            assert report.stopped_by is StoppedBy.UNKNOWN and report.requests_done == 0, report
+            assert server.endpoint.url in report.error and "SPARKCACHE_REMOTE_ENDPOINT" in report.error
+        finally:
+            server.start()
+        assert ns.listing().keys() == before.keys()
+
+        bucket = RemoteBucket(ns.location)
+        plan = plan_sweep(bucket, take_census(bucket, NAMESPACE), 1, GRACE_S)
+        assert [e.why for e in plan.evictions] == [Why.LRU] * 4
+        killed = []
+
+        def kill_after_first(progress):
+            if not killed:
+                killed.append(progress)
+                server.kill()
+
+        try:
+            report = apply_sweep(bucket, plan, 10_000, on_progress=kill_after_first)
+        finally:
+            server.start()
+            bucket.close()
+        assert report.stopped_by is StoppedBy.ERROR and report.entries_evicted == 1, report
+        assert server.endpoint.url in report.error
+        left = ns.assert_consistent()
+        assert len(left) == 3 and plan.evictions[0].entry.entry_id not in left
+        assert _sweep(ns, 1).entries_evicted == 3 and ns.assert_consistent() == []
+
+
+def test_two_sweepers_at_once_leave_the_bucket_consistent(seaweedfs, monkeypatch, tmp_path):
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path / "local")
+    entries = [ns.upload(conv, 12) for conv in range(20, 26)] + [ns.upload(20, 16), ns.upload(21, 20)]
+    bound = ns.used_bytes() // 2
+    start = threading.Barrier(2)
+    reports = []
+
+    def one():
+        start.wait()
+        reports.append(_sweep(ns, bound))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r.stopped_by is StoppedBy.DONE for r in reports), reports
+    left = ns.assert_consistent()
+    assert ns.used_bytes() <= bound and 0 < len(left) < len(entries)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(uploads=st.lists(st.tuples(st.integers(40, 42), st.sampled_from([1, 4, 8, 16, 17, 24])), min_size=1, max_size=6),
+       fetched=st.lists(st.integers(0, 5), max_size=6), share=st.floats(0.0, 1.0))
+def test_any_namespace_swept_to_any_bound_is_consistent_and_kept_the_most_recent(
+        seaweedfs, monkeypatch, tmp_path_factory, uploads, fetched, share):
+    """Entries sharing prefixes (conversations grown), fetched in any order, swept to any
+    bound: every entry left reads back whole and its pointers name entries there, the bytes end
+    at or under the bound, and no entry evicted was accessed later than one kept."""
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path_factory.mktemp("local"))
+    entries = [ns.upload(conv, n) for conv, n in uploads]
+    for i in fetched:
+        if i < len(entries):
+            ns.access(entries[i])
+    bucket = RemoteBucket(ns.location)
+    try:
+        last_access = {e.entry_id: e.last_access for e in take_census(bucket, NAMESPACE).entries}
+    finally:
+        bucket.close()
+    bound = max(1, int(ns.used_bytes() * share))  # 0 would be no bound
+    report = _sweep(ns, bound)
+    assert report.stopped_by is StoppedBy.DONE, report
+    left = ns.assert_consistent()
+    assert ns.used_bytes() <= bound or not left, (ns.used_bytes(), bound, left)
+    gone = set(last_access) - set(left)
+    assert max((last_access[e] for e in gone), default=0) <= min((last_access[e] for e in left), default=float("inf"))
