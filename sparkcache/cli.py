@@ -1,4 +1,5 @@
-"""The ``sparkcache`` command: status, verify, gc, inspect.
+"""The ``sparkcache`` command: status, verify, gc, inspect; remote-status and remote-gc for the
+shared tier's namespace (``remote_cli``).
 
 Every subcommand validates settings exactly as the connector does (environment
 ``SPARKCACHE_*`` plus an optional ``--config`` JSON dict in kv_connector_extra_config form);
@@ -30,7 +31,9 @@ EXIT_CODES = {
              "inspect showed the entry)",
     EXIT_FAILED: "failed: verify or inspect --verify found bad files, inspect found no such entry, "
                  "gc's pass stopped on a filesystem error, or the store could not be opened or "
-                 "read (the line on stderr names the file and the fix)",
+                 "read (the line on stderr names the file and the fix); remote-gc or remote-status "
+                 "could not list or read the remote namespace (nothing was deleted) or a request "
+                 "failed mid-pass (the line on stderr names the key and the fix)",
     EXIT_USAGE: "bad usage or settings (an unknown option, a bad SPARKCACHE_* value, no store at "
                 "the root)",
     EXIT_BUSY: "busy: another process held the store's lock past the wait bound (a serving "
@@ -67,6 +70,14 @@ def _count(maximum: int) -> Callable[[str], int]:
     return parse
 
 
+def namespace_and_config(p: argparse.ArgumentParser, under: str) -> None:
+    """The options every command has: ``--namespace`` (under ``under``) and ``--config``."""
+    p.add_argument("--namespace", help=f"namespace under {under} (SPARKCACHE_NAMESPACE)")
+    p.add_argument("--config", metavar="JSON",
+                   help="settings as a JSON object, keys as in kv_connector_extra_config "
+                        "(e.g. '{\"max_bytes\": \"40GiB\"}'), or @FILE to read it from a file")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="sparkcache", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -78,10 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--root", action="append" if many_roots else "store", metavar="DIR",
                        help="store directory (SPARKCACHE_ROOT)" +
                             ("; repeat for several ranks" if many_roots else ""))
-        p.add_argument("--namespace", help="namespace under the root (SPARKCACHE_NAMESPACE)")
-        p.add_argument("--config", metavar="JSON",
-                       help="settings as a JSON object, keys as in kv_connector_extra_config "
-                            "(e.g. '{\"max_bytes\": \"40GiB\"}'), or @FILE to read it from a file")
+        namespace_and_config(p, "the root")
 
     p = sub.add_parser("status", help="capacity line and the store's gauges (Prometheus text)",
                        description="Print the one-line capacity report, then the gauges an "
@@ -114,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     common(p)
     p.add_argument("entry", metavar="ENTRY", help="entry id or a unique prefix of it")
     p.add_argument("--verify", action="store_true", help="also re-hash the entry's objects")
+    from .remote_cli import add_remote_commands
+
+    add_remote_commands(sub, lambda p: namespace_and_config(p, "SPARKCACHE_REMOTE_PREFIX"))
     return parser
 
 
@@ -296,7 +307,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return status
 
 
-_COMMANDS = {"status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "inspect": cmd_inspect}
+def _remote(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from . import remote_cli
+
+        return getattr(remote_cli, name)(args, _read_config(args.config) if args.config is not None else {})
+
+    return run
+
+
+_COMMANDS = {"status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "inspect": cmd_inspect,
+             "remote-status": _remote("cmd_remote_status"), "remote-gc": _remote("cmd_remote_gc")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

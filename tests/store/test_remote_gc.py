@@ -18,6 +18,7 @@ from remote_helpers import NAMESPACE, RemoteNamespace, tick
 from sparkcache.store.remote_census import RemoteBucket, take_census
 from sparkcache.store.remote_keys import KeyKind
 from sparkcache.store.remote_sweeper import StoppedBy, Why, apply_sweep, plan_sweep, sweep
+from store_helpers import run_cli
 from testing.seaweedfs import SeaweedFS
 
 GRACE_S = 3600.0
@@ -139,6 +140,12 @@ def test_a_server_that_stops_answering_deletes_nothing_and_the_cli_says_why(tmp_
             report = _sweep(ns, 1)
             assert report.stopped_by is StoppedBy.UNKNOWN and report.requests_done == 0, report
             assert server.endpoint.url in report.error and "SPARKCACHE_REMOTE_ENDPOINT" in report.error
+            cli = run_cli("remote-gc", env=_cli_env(ns, max_bytes=1))
+            assert cli.returncode == 1, (cli.stdout, cli.stderr)
+            assert "nothing was deleted" in cli.stderr and "SPARKCACHE_REMOTE_ENDPOINT" in cli.stderr
+            assert "stopped_by=unknown" in cli.stdout
+            status = run_cli("remote-status", env=_cli_env(ns, max_bytes=1))
+            assert status.returncode == 1 and "could not be listed" in status.stderr
         finally:
             server.start()
         assert ns.listing().keys() == before.keys()
@@ -184,6 +191,39 @@ def test_two_sweepers_at_once_leave_the_bucket_consistent(seaweedfs, monkeypatch
     assert all(r.stopped_by is StoppedBy.DONE for r in reports), reports
     left = ns.assert_consistent()
     assert ns.used_bytes() <= bound and 0 < len(left) < len(entries)
+
+
+def _cli_env(ns: RemoteNamespace, max_bytes: int) -> dict[str, str]:
+    e = ns.server.endpoint
+    return {**e.aws_env(), "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
+            "SPARKCACHE_REMOTE_BUCKET": e.bucket, "SPARKCACHE_REMOTE_ENDPOINT": e.url,
+            "SPARKCACHE_REMOTE_PREFIX": ns.location.prefix, "SPARKCACHE_NAMESPACE": NAMESPACE,
+            "SPARKCACHE_REMOTE_MAX_BYTES": str(max_bytes), "SPARKCACHE_REMOTE_TIMEOUT_SECONDS": "2",
+            "SPARKCACHE_REMOTE_RETRIES": "0"}
+
+
+def test_the_cli_plans_with_dry_run_then_applies_and_status_reports(seaweedfs, monkeypatch, tmp_path):
+    ns = RemoteNamespace(seaweedfs, monkeypatch, tmp_path / "local")
+    a, b, c, d, c_bytes = _filled(ns)
+    used = ns.used_bytes()
+    env = _cli_env(ns, used - c_bytes)
+    status = run_cli("remote-status", env=env)
+    assert status.returncode == 0, status.stderr
+    assert f"used_bytes={used} max_bytes={used - c_bytes} over_bound=yes entries=4" in status.stdout
+    dry = run_cli("remote-gc", "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert "dry run (nothing deleted) stopped_by=done" in dry.stdout and "entries_evicted=2" in dry.stdout
+    assert ns.used_bytes() == used
+    done = run_cli("remote-gc", env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"used_bytes {used} -> {used - c_bytes}" in done.stdout and "over_bound=no" in done.stdout
+    assert ns.assert_consistent() == sorted([b.entry_id, d.entry_id])
+    after = run_cli("remote-status", env=env)
+    assert "over_bound=no entries=2" in after.stdout, after.stdout
+    for cmd in ("remote-gc", "remote-status"):
+        help_text = run_cli(cmd, "--help").stdout
+        assert "one place" in help_text.replace("\n", " ") or cmd == "remote-status", help_text
+        assert "Exit 0" in help_text
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
