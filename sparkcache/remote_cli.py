@@ -12,11 +12,15 @@ failed mid-pass, 2 for bad usage or settings.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .settings import Settings, load_settings
+
+if TYPE_CHECKING:  # the commands import the store when they run
+    from .store.remote_sweeper import SweepReport
 
 _MAX_REQUESTS = 10_000  # remote-gc's default budget of DELETE and PUT requests per pass
 _PROGRESS_EVERY = 1_000  # requests between two progress lines on stderr
@@ -49,6 +53,9 @@ def add_remote_commands(sub: argparse._SubParsersAction, common: Callable[[argpa
     p.add_argument("--max-requests", type=_positive, default=_MAX_REQUESTS, metavar="N",
                    help=f"DELETE and PUT requests one pass makes at most, an eviction begun being "
                         f"finished (default {_MAX_REQUESTS})")
+    p.add_argument("--metrics-file", metavar="PATH",
+                   help="also write the pass's vllm:sparkcache_remote_gc_* gauges there in Prometheus "
+                        "text (for node_exporter's textfile collector), replaced whole; not with --dry-run")
 
 
 def _positive(text: str) -> int:
@@ -116,6 +123,11 @@ def cmd_remote_gc(args: argparse.Namespace, extra: dict[str, object]) -> int:
               dry_run=args.dry_run, max_requests=args.max_requests, on_progress=progress)
     print(f"remote-gc: {location.where(f'{location.prefix}/{settings.namespace}/')} "
           f"{'dry run (nothing deleted)' if r.dry_run else 'pass'} stopped_by={r.stopped_by.value}")
+    if args.metrics_file and not r.dry_run:
+        _write_metrics(args.metrics_file, r, settings.namespace)
+    if r.stopped_by is StoppedBy.UNKNOWN:
+        print(f"sparkcache remote-gc: {r.error}; fix that and run remote-gc again", file=sys.stderr)
+        return 1
     print(f"remote-gc: used_bytes {r.used_bytes_before} -> {r.used_bytes_after} (max_bytes {r.max_bytes}, "
           f"over_bound={'yes' if r.over_bound else 'no'}), entries {r.entries_before} -> {r.entries_after}")
     print(f"remote-gc: entries_evicted={r.entries_evicted} incomplete_entries={r.incomplete_entries} "
@@ -125,14 +137,30 @@ def cmd_remote_gc(args: argparse.Namespace, extra: dict[str, object]) -> int:
     print(f"remote-gc: young_unreferenced_objects={r.young_unreferenced_objects} "
           f"young_unreferenced_bytes={r.young_unreferenced_bytes} oldest_access={_when(r.oldest_access)} "
           f"requests_done={r.requests_done} requests_left={r.requests_left}")
-    if r.stopped_by is StoppedBy.UNKNOWN:
-        print(f"sparkcache remote-gc: {r.error}; fix that and run remote-gc again", file=sys.stderr)
-        return 1
     if r.stopped_by is StoppedBy.ERROR:
         print(f"sparkcache remote-gc: the pass stopped on a failed request: {r.error}. What it did is "
               "safe (no manifest names a deleted object); fix that and run remote-gc again", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_metrics(path: str, r: SweepReport, namespace: str) -> None:
+    """The pass's gauges (``metrics.REMOTE_GC_GAUGES``) in Prometheus text at ``path``, replaced
+    whole (a textfile collector never reads half of it); only ``ok`` and ``ended_at`` when the
+    namespace could not be listed or read (its other numbers would be of part of it)."""
+    from .metrics import render_remote_gc_gauges
+    from .store.remote_sweeper import StoppedBy
+
+    values = {"ok": float(r.ok), "ended_at": time.time()}
+    if r.stopped_by is not StoppedBy.UNKNOWN:
+        values.update(used_bytes_after=r.used_bytes_after, max_bytes=r.max_bytes, entries_after=r.entries_after,
+                      entries_evicted=r.entries_evicted, incomplete_entries=r.incomplete_entries,
+                      bytes_freed=r.bytes_freed, young_unreferenced_bytes=r.young_unreferenced_bytes,
+                      oldest_access=r.oldest_access or 0.0, requests_left=r.requests_left)
+    temp = f"{path}.tmp.{os.getpid()}"
+    with open(temp, "w", encoding="utf-8") as f:
+        f.write(render_remote_gc_gauges(values, namespace))
+    os.replace(temp, path)
 
 
 __all__ = ["add_remote_commands", "cmd_remote_gc", "cmd_remote_status"]

@@ -140,10 +140,13 @@ def test_a_server_that_stops_answering_deletes_nothing_and_the_cli_says_why(tmp_
             report = _sweep(ns, 1)
             assert report.stopped_by is StoppedBy.UNKNOWN and report.requests_done == 0, report
             assert server.endpoint.url in report.error and "SPARKCACHE_REMOTE_ENDPOINT" in report.error
-            cli = run_cli("remote-gc", env=_cli_env(ns, max_bytes=1))
+            metrics = tmp_path / "remote_gc.prom"
+            cli = run_cli("remote-gc", "--metrics-file", str(metrics), env=_cli_env(ns, max_bytes=1))
             assert cli.returncode == 1, (cli.stdout, cli.stderr)
             assert "nothing was deleted" in cli.stderr and "SPARKCACHE_REMOTE_ENDPOINT" in cli.stderr
-            assert "stopped_by=unknown" in cli.stdout
+            assert "stopped_by=unknown" in cli.stdout and "used_bytes" not in cli.stdout
+            assert f'vllm:sparkcache_remote_gc_last_pass_ok{{namespace="{NAMESPACE}"}} 0.0' in metrics.read_text()
+            assert "remote_gc_used_bytes" not in metrics.read_text()  # not known: not said
             status = run_cli("remote-status", env=_cli_env(ns, max_bytes=1))
             assert status.returncode == 1 and "could not be listed" in status.stderr
         finally:
@@ -214,8 +217,13 @@ def test_the_cli_plans_with_dry_run_then_applies_and_status_reports(seaweedfs, m
     assert dry.returncode == 0, dry.stderr
     assert "dry run (nothing deleted) stopped_by=done" in dry.stdout and "entries_evicted=2" in dry.stdout
     assert ns.used_bytes() == used
-    done = run_cli("remote-gc", env=env)
+    metrics = tmp_path / "remote_gc.prom"
+    done = run_cli("remote-gc", "--metrics-file", str(metrics), env=env)
     assert done.returncode == 0, done.stderr
+    text = metrics.read_text()
+    for name, value in (("last_pass_ok", 1), ("used_bytes", used - c_bytes), ("limit_bytes", used - c_bytes),
+                        ("entries", 2), ("evicted_entries", 2), ("freed_bytes", c_bytes), ("requests_left", 0)):
+        assert f'vllm:sparkcache_remote_gc_{name}{{namespace="{NAMESPACE}"}} {float(value)}' in text, (name, text)
     assert f"used_bytes {used} -> {used - c_bytes}" in done.stdout and "over_bound=no" in done.stdout
     assert ns.assert_consistent() == sorted([b.entry_id, d.entry_id])
     after = run_cli("remote-status", env=env)
