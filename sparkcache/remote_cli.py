@@ -133,6 +133,7 @@ def cmd_remote_gc(args: argparse.Namespace, extra: dict[str, object]) -> int:
     print(f"remote-gc: entries_evicted={r.entries_evicted} incomplete_entries={r.incomplete_entries} "
           f"objects_deleted={r.objects_deleted} orphans_deleted={r.orphans_deleted} bytes_freed={r.bytes_freed} "
           f"pointers_repointed={r.pointers_repointed} pointers_deleted={r.pointers_deleted} "
+          f"pointers_restored={r.pointers_restored} "
           f"access_marks_deleted={r.access_marks_deleted}")
     print(f"remote-gc: young_unreferenced_objects={r.young_unreferenced_objects} "
           f"young_unreferenced_bytes={r.young_unreferenced_bytes} oldest_access={_when(r.oldest_access)} "

@@ -47,7 +47,7 @@ class RemoteBucket:
         from obstore import exceptions
 
         self.location = location
-        self._obstore = obstore
+        self._obstore, self._errors = obstore, exceptions
         self._failures = (exceptions.BaseError, OSError, ValueError)
         self._client = open_client(location)
         self._pool = ThreadPoolExecutor(location.requests_in_flight, thread_name_prefix="sparkcache-remote-gc")
@@ -87,10 +87,13 @@ class RemoteBucket:
         except self._failures as exc:
             raise self._fail(exc, f"GET of {self.location.where(key)}") from None
 
-    def put(self, key: str, data: bytes) -> None:
-        """PUT ``data`` at ``key``, replacing what is there."""
+    def put(self, key: str, data: bytes, replace: bool) -> None:
+        """PUT ``data`` at ``key``: replacing what is there, or (not ``replace``) with
+        ``If-None-Match: *``, leaving what another writer put first."""
         try:
-            self._obstore.put(self._client, key, data, mode="overwrite", use_multipart=False)
+            self._obstore.put(self._client, key, data, mode="overwrite" if replace else "create", use_multipart=False)
+        except self._errors.AlreadyExistsError:
+            pass
         except self._failures as exc:
             raise self._fail(exc, f"PUT of {self.location.where(key)}") from None
 

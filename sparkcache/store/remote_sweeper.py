@@ -15,7 +15,12 @@ A pass is a plan (``plan_sweep``, from a ``remote_census.Census``: read-only) th
   LastModified, else its manifest's) is evicted, freeing the objects no remaining entry names;
 - pointers naming an evicted or missing entry are re-pointed to a remaining entry that holds the
   same block key at an indexed position (so the entries sharing a prefix with it stay findable)
-  or deleted; access marks of entries with no manifest, older than the grace, are deleted.
+  or deleted; access marks of entries with no manifest, older than the grace, are deleted;
+- a pointer younger than the grace that names an entry not there (a second sweeper's race) is
+  re-pointed to a remaining holder too;
+- a pointer a remaining entry should have and the bucket lacks (an upload cut short between its
+  manifest and its pointers, or a pointer deleted while an upload found it present) is PUT
+  (``If-None-Match: *``) naming the most recently accessed entry that holds its block key.
 
 Each eviction is applied in the order that keeps a fetch safe: its pointers first (none is left
 naming a manifest about to go), then its manifest (no fetch finds the entry from here on), then
@@ -38,6 +43,7 @@ from typing import Callable
 
 from .layout import is_entry_id
 from .remote_census import Census, Listed, RemoteBucket, RemoteEntry, take_census
+from .remote_keys import KeyKind
 from .s3_location import S3Location
 
 
@@ -93,6 +99,8 @@ class SweepPlan:
     young_unreferenced: tuple[Listed, ...] = ()
     dangling_pointers: tuple[str, ...] = ()
     stale_access_marks: tuple[str, ...] = ()
+    missing_pointers: tuple[tuple[str, str], ...] = ()  # (key, the entry id it will name)
+    stale_pointers: tuple[tuple[str, str], ...] = ()  # (key, the remaining entry it will name instead)
     oldest_access: float | None = None
     unknown: tuple[str, ...] = ()
 
@@ -103,7 +111,7 @@ class SweepPlan:
     @property
     def requests(self) -> int:
         return (sum(e.requests for e in self.evictions) + len(self.orphans) + len(self.dangling_pointers)
-                + len(self.stale_access_marks))
+                + len(self.stale_access_marks) + len(self.missing_pointers) + len(self.stale_pointers))
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,7 @@ class SweepReport:
     bytes_freed: int = 0
     pointers_repointed: int = 0
     pointers_deleted: int = 0
+    pointers_restored: int = 0
     access_marks_deleted: int = 0
     young_unreferenced_objects: int = 0
     young_unreferenced_bytes: int = 0
@@ -199,8 +208,13 @@ def plan_sweep(bucket: RemoteBucket, census: Census, max_bytes: int, grace_s: fl
     while max_bytes > 0 and used > max_bytes and by_age:
         evict(heapq.heappop(by_age)[-1], Why.LRU)
     remaining = [item[-1] for item in by_age]
+    holders: dict[tuple[str, str], RemoteEntry] = {}  # pointer -> the most recently accessed remaining holder
+    for entry in sorted(remaining, key=lambda e: e.last_access):
+        holders.update(((entry.keys.identity_digest, name), entry) for name in entry.pointer_names)
+    missing = tuple((entry.keys.kind_prefix(KeyKind.POINTER) + named[1], entry.entry_id)
+                    for named, entry in sorted(holders.items()) if named not in census.pointers)
     try:
-        evictions, dangling = _pointers(bucket, census, chosen, remaining, old)
+        evictions, dangling, stale_pointers = _pointers(bucket, census, chosen, remaining, holders, old)
     except OSError as exc:
         return replace(base, unknown=(str(exc),))
     kept = {(e.keys.identity_digest, e.entry_id) for e in remaining}
@@ -208,26 +222,25 @@ def plan_sweep(bucket: RemoteBucket, census: Census, max_bytes: int, grace_s: fl
     stale = tuple(listed.key for named, listed in census.access_marks.items() if named not in kept and old(listed))
     return replace(base, evictions=evictions, orphans=orphans,
                    young_unreferenced=tuple(listed for listed in unreferenced if not old(listed)),
-                   dangling_pointers=dangling, stale_access_marks=stale,
+                   dangling_pointers=dangling, stale_access_marks=stale, missing_pointers=missing,
+                   stale_pointers=stale_pointers,
                    oldest_access=min((e.last_access for e in remaining), default=None))
 
 
 def _pointers(bucket: RemoteBucket, census: Census, chosen: list, remaining: list[RemoteEntry],
-              old: Callable[[Listed], bool]) -> tuple[tuple[Eviction, ...], tuple[str, ...]]:
-    """The evictions with their pointers (re-pointed to a remaining holder, else deleted), and
-    the pointers older than the grace that no remaining entry holds and that name no remaining
-    entry. Reads each such pointer's body."""
-    holders: dict[tuple[str, str], str] = {}  # pointer -> the most recently accessed remaining holder
-    for entry in sorted(remaining, key=lambda e: e.last_access):
-        for name in entry.pointer_names:
-            holders[(entry.keys.identity_digest, name)] = entry.entry_id
+              holders: dict[tuple[str, str], RemoteEntry], old: Callable[[Listed], bool]
+              ) -> tuple[tuple[Eviction, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The evictions with their pointers (re-pointed to a remaining holder, else deleted); the
+    pointers older than the grace that no remaining entry holds and that name no remaining entry;
+    the pointers younger than the grace that a remaining entry holds and that name an entry not
+    there, with the holder each will name. Reads each such pointer's body."""
     alive = {(e.keys.identity_digest, e.entry_id) for e in remaining}
     asked: dict[tuple[str, str], Listed] = {}
     for entry, _, _ in chosen:
         idd = entry.keys.identity_digest
         asked.update(((idd, n), census.pointers[(idd, n)]) for n in entry.pointer_names if (idd, n) in census.pointers)
     for named, listed in census.pointers.items():
-        if named not in holders and old(listed):
+        if (named not in holders) == old(listed):
             asked[named] = listed
     order = list(asked)
     bodies = dict(zip(order, bucket.each(lambda named: bucket.get(asked[named].key), order)))
@@ -242,13 +255,16 @@ def _pointers(bucket: RemoteBucket, census: Census, chosen: list, remaining: lis
     evictions, handled = [], set()
     for entry, why, freed in chosen:
         idd = entry.keys.identity_digest
-        mine = [(idd, n) for n in entry.pointer_names if (idd, n) in bodies and (idd, n) not in handled and stale((idd, n))]
+        mine = [(idd, n) for n in entry.pointer_names
+                if (idd, n) in bodies and (idd, n) not in handled and stale((idd, n))]
         handled.update(mine)
-        repoint = tuple((census.pointers[n].key, holders[n]) for n in mine if n in holders)
+        repoint = tuple((census.pointers[n].key, holders[n].entry_id) for n in mine if n in holders)
         drop = tuple(census.pointers[n].key for n in mine if n not in holders)
         evictions.append(Eviction(entry, why, repoint, drop, freed))
     dangling = tuple(asked[n].key for n in order if n not in handled and n not in holders and stale(n))
-    return tuple(evictions), dangling
+    fixes = tuple((asked[n].key, holders[n].entry_id) for n in order
+                  if n not in handled and n in holders and stale(n))
+    return tuple(evictions), dangling, fixes
 
 
 # ---------------------------------------------------------------------------- applying it
@@ -267,6 +283,8 @@ def apply_sweep(bucket: RemoteBucket, plan: SweepPlan, max_requests: int,
     steps += [(1, lambda o=o: tally.orphan(bucket, o)) for o in plan.orphans]
     steps += [(1, lambda k=k: tally.pointer(bucket, k)) for k in plan.dangling_pointers]
     steps += [(1, lambda k=k: tally.mark(bucket, k)) for k in plan.stale_access_marks]
+    steps += [(1, lambda kv=kv: tally.restore(bucket, kv)) for kv in plan.missing_pointers]
+    steps += [(1, lambda kv=kv: tally.repoint(bucket, kv)) for kv in plan.stale_pointers]
     stopped, error = StoppedBy.DONE, ""
     for cost, step in steps:
         if tally.requests and tally.requests + cost > max_requests:
@@ -283,7 +301,8 @@ def apply_sweep(bucket: RemoteBucket, plan: SweepPlan, max_requests: int,
                    entries_after=plan.entries - tally.evicted, entries_evicted=tally.evicted,
                    incomplete_entries=tally.incomplete, objects_deleted=tally.objects,
                    orphans_deleted=tally.orphans, bytes_freed=tally.freed, pointers_repointed=tally.repointed,
-                   pointers_deleted=tally.pointers, access_marks_deleted=tally.marks,
+                   pointers_deleted=tally.pointers, pointers_restored=tally.restored,
+                   access_marks_deleted=tally.marks,
                    requests_done=tally.requests, requests_left=plan.requests - tally.requests)
 
 
@@ -300,10 +319,11 @@ class _Tally:
     freed: int = 0
     repointed: int = 0
     pointers: int = 0
+    restored: int = 0
     marks: int = 0
 
     def evict(self, bucket: RemoteBucket, e: Eviction) -> None:
-        self._many(bucket, lambda kv: bucket.put(kv[0], kv[1].encode()), list(e.repoint))
+        self._many(bucket, lambda kv: bucket.put(kv[0], kv[1].encode(), replace=True), list(e.repoint))
         self.repointed += len(e.repoint)
         self._many(bucket, bucket.delete, list(e.drop_pointers))
         self.pointers += len(e.drop_pointers)
@@ -325,6 +345,14 @@ class _Tally:
     def pointer(self, bucket: RemoteBucket, key: str) -> None:
         self._many(bucket, bucket.delete, [key])
         self.pointers += 1
+
+    def restore(self, bucket: RemoteBucket, key_and_entry: tuple[str, str]) -> None:
+        self._many(bucket, lambda kv: bucket.put(kv[0], kv[1].encode(), replace=False), [key_and_entry])
+        self.restored += 1
+
+    def repoint(self, bucket: RemoteBucket, key_and_entry: tuple[str, str]) -> None:
+        self._many(bucket, lambda kv: bucket.put(kv[0], kv[1].encode(), replace=True), [key_and_entry])
+        self.repointed += 1
 
     def mark(self, bucket: RemoteBucket, key: str) -> None:
         self._many(bucket, bucket.delete, [key])
@@ -356,8 +384,9 @@ def dry_run_report(plan: SweepPlan) -> SweepReport:
                    incomplete_entries=sum(e.why is Why.INCOMPLETE for e in evictions),
                    objects_deleted=sum(len(e.objects) for e in evictions) + len(plan.orphans),
                    orphans_deleted=len(plan.orphans), bytes_freed=plan.used_bytes - plan.used_bytes_after,
-                   pointers_repointed=sum(len(e.repoint) for e in evictions),
+                   pointers_repointed=sum(len(e.repoint) for e in evictions) + len(plan.stale_pointers),
                    pointers_deleted=sum(len(e.drop_pointers) for e in evictions) + len(plan.dangling_pointers),
+                   pointers_restored=len(plan.missing_pointers),
                    access_marks_deleted=sum(e.entry.access is not None for e in evictions)
                    + len(plan.stale_access_marks))
 

@@ -110,7 +110,8 @@ class RemoteNamespace:
 
     def assert_consistent(self) -> list[str]:
         """Every remote manifest decodes and every object it names reads back verified; every
-        pointer names an entry that is there and holds its key. Returns the entry ids."""
+        pointer names an entry that is there and holds its key, and every pointer an entry there
+        should have is there. Returns the entry ids."""
         ids = []
         for key in self.listing():
             parsed = parse_key(self.location.prefix, key)
@@ -124,9 +125,12 @@ class RemoteNamespace:
         for entry_id in ids:
             manifest = decode(bytes(obstore.get(self.raw, self.keys.manifest_key(entry_id)).bytes()))
             held[entry_id] = {pointer_name(manifest.block_keys[p]) for p in pointer_positions(manifest.block_count)}
-        for name in self.kinds()[KeyKind.POINTER]:
+        pointers = self.kinds()[KeyKind.POINTER]
+        for name in pointers:
             body = bytes(obstore.get(self.raw, f"{self.keys.base}/keys/{name}").bytes()).decode()
             assert body in held and name in held[body], (name, body, sorted(held))
+        for entry_id, names in held.items():
+            assert names <= pointers, (entry_id, sorted(names - pointers))
         return sorted(ids)
 
 
