@@ -14,7 +14,7 @@ import obstore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from remote_helpers import NAMESPACE, RemoteNamespace, tick
+from remote_gc_helpers import NAMESPACE, RemoteNamespace, tick
 from sparkcache.store.remote_census import RemoteBucket, take_census
 from sparkcache.store.remote_keys import KeyKind
 from sparkcache.store.remote_sweeper import StoppedBy, Why, apply_sweep, plan_sweep, sweep
