@@ -1,5 +1,5 @@
 """The shared tier's capacity sweeper (sparkcache/store/remote_sweeper.py, ``remote-gc``) on a real
-S3 server (the tests' SeaweedFS): a namespace filled as the tier fills it (remote_helpers), then
+S3 server (the tests' SeaweedFS): a namespace filled as the tier fills it (remote_gc_helpers), then
 swept. Over the bound the entries least recently accessed go first and every entry left reads
 back whole; objects no manifest names go only once older than the grace; pointers follow their
 entries; a server that stops answering, before or during a pass, deletes nothing it should not
