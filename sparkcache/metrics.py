@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .connector.attribution import InputKind
 from .store.reasons import LOOKUP_MISSES, PUBLISH_FAILURES
+from .store.remote_counts import (CORRUPT_REMOVED, DEADLINE_EXCEEDED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, SKIP_KEYS,
+                                  UPLOAD_BYTES, UPLOAD_FAILURES, UPLOADS_DONE)
 
 if TYPE_CHECKING:  # for readers and type checkers; prometheus_client is imported where it is used
     from prometheus_client import Gauge
@@ -172,6 +174,33 @@ COUNTERS: tuple[CounterMetric, ...] = (
              "process's publications), shared (a publication, 10 s, or a leased lookup, 2 s: a "
              "holder that slow may be stopped or hung; the log says so at most once a minute).",
              "lock", {"lock_timeouts_shared": "shared", "lock_timeouts_exclusive": "exclusive"}),
+    # The shared tier (sparkcache/store/remote_*.py; the connector does not use it yet).
+    _counter("remote_uploads", "Entries uploaded whole to the shared tier (objects, then the "
+             "manifest, then the pointers).", None, {UPLOADS_DONE: ""}),
+    _counter("remote_upload_bytes", "Object bytes PUT to the shared tier (objects already there "
+             "not counted).", None, {UPLOAD_BYTES: ""}),
+    _counter("remote_upload_failures", "Upload tries that failed (the remote store down, slow or "
+             "refusing); each is tried again with backoff.", None, {UPLOAD_FAILURES: ""}),
+    _counter("remote_uploads_skipped", "Entries never uploaded, by why: the queue's bytes at "
+             "SPARKCACHE_REMOTE_UPLOAD_QUEUE_BYTES (queue_full), evicted locally first (evicted), a "
+             "longer entry of the same prompt queued behind it (superseded), its local bytes failing "
+             "verification (unreadable).", "reason", {k: r.value for r, k in SKIP_KEYS.items()}),
+    _counter("remote_fetch_hits", "Fetches from the shared tier that wrote a verified entry into "
+             "the local store (or found it there).", None, {FETCH_HITS: ""}),
+    _counter("remote_fetch_misses", "Fetches from the shared tier that missed, by reason: nothing "
+             "there (not_found), a pointer without its manifest (manifest_absent), a manifest of "
+             "another identity (wrong_identity) or of other blocks (diverged), wrong bytes (corrupt), "
+             "an object missing (absent), the remote store failing (io_error), the deadline "
+             "(deadline), the local store refusing the entry (local_refused).", "reason",
+             {k: r.value for r, k in MISS_KEYS.items()}),
+    _counter("remote_fetched_bytes", "Object bytes fetched from the shared tier into the local "
+             "store.", None, {FETCHED_BYTES: ""}),
+    _counter("remote_deadline_exceeded", "Fetches still running at "
+             "SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS, abandoned (each is also a miss, deadline).",
+             None, {DEADLINE_EXCEEDED: ""}),
+    _counter("remote_corrupt_removed", "Remote objects and manifests found with wrong bytes on a "
+             "fetch and removed from the bucket, so the next upload of their entry puts them back.",
+             None, {CORRUPT_REMOVED: ""}),
 )
 
 # A worker's gauge carries a ``rank`` label: each tensor-parallel rank has its own slots,

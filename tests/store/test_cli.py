@@ -185,8 +185,8 @@ def test_cli_does_not_import_vllm_or_torch(tmp_path):
 
 # Each subcommand with the positional arguments it needs; the store root does not exist, so a
 # usage error must be reported before the store is looked for (or imported).
-SUBCOMMANDS = {"status": (), "verify": (), "gc": (), "inspect": ("abcdef",)}
-# The shared tier's commands need no local store (tests/store/test_remote_gc.py runs them on a bucket).
+SUBCOMMANDS = {"status": (), "verify": (), "gc": (), "inspect": ("abcdef",), "remote-check": ()}
+# The capacity sweeper's commands need no local store (tests/store/test_remote_gc.py runs them on a bucket).
 REMOTE_SUBCOMMANDS = ("remote-status", "remote-gc")
 
 

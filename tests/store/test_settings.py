@@ -75,6 +75,9 @@ def test_env_and_extra_config_precedence():
     ("SPARKCACHE_REMOTE_PREFIX", "a/../b", "matching"),
     ("SPARKCACHE_REMOTE_RETRIES", "11", "0 .. 10"),
     ("SPARKCACHE_REMOTE_TIMEOUT_SECONDS", "0", "0.1 .. 600"),
+    ("SPARKCACHE_REMOTE_UPLOAD_QUEUE_BYTES", "1000", "1MiB"),
+    ("SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS", "0", "0.05 .. 600"),
+    ("SPARKCACHE_REMOTE_NEGATIVE_CACHE_SECONDS", "-1", "0 .. 3600"),
     ("SPARKCACHE_REMOTE_MAX_BYTES", "2T", "TiB"),
     ("SPARKCACHE_REMOTE_GC_GRACE_SECONDS", "5", "60 .. 604800"),  # shorter than an upload could take
 ])
