@@ -80,10 +80,10 @@ def _when(t: float | None) -> str:
 
 def cmd_remote_status(args: argparse.Namespace, extra: dict[str, object]) -> int:
     settings = _settings(args, extra)
-    from .store.remote_census import RemoteBucket, summarize, take_census
+    from .store.remote_census import SweepRequests, summarize, take_census
     from .store.s3_location import S3Location
 
-    bucket = RemoteBucket(S3Location.from_settings(settings))
+    bucket = SweepRequests(S3Location.from_settings(settings))
     try:
         census = take_census(bucket, settings.namespace)
     finally:

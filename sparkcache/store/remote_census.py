@@ -15,16 +15,18 @@ sweeper given a census with anything unknown deletes nothing. A manifest listed 
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
+import errno
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from .manifests import ManifestError, PageRef, decode
+from .manifests import MAX_MANIFEST_BYTES, ManifestError, PageRef, decode
+from .reasons import Reason
+from .remote_bucket import RemoteBucket
 from .remote_keys import KeyKind, RemoteKeys, namespace_prefix, parse_key, pointer_name, pointer_positions
 from .s3_errors import describe
-from .s3_location import S3Location, open_client
+from .s3_location import S3Location
 
 
 @dataclass(frozen=True)
@@ -37,74 +39,56 @@ class Listed:
     modified: float
 
 
-class RemoteBucket:
-    """The requests the sweeper makes of ``location``'s bucket (its ``prefix`` is ``P``): list,
-    get, put, delete by key, ``requests_in_flight`` at once. A failed request is an ``OSError``
-    naming the key and the fix (``s3_errors.describe``), never holding a credential."""
+class SweepRequests:
+    """The sweeper's requests of the tier's bucket (``remote_bucket.RemoteBucket``: one client of
+    ``location``, whose ``prefix`` is ``P``; its plain keys ``s3_keys.S3Keys``): list (with
+    LastModified), the identities under a namespace, get, put, delete by key,
+    ``requests_in_flight`` at once. A failed request is an ``OSError`` naming the key and the fix
+    (``s3_errors.describe``), never holding a credential."""
 
     def __init__(self, location: S3Location) -> None:
-        import obstore
-        from obstore import exceptions
-
+        self.bucket = RemoteBucket(location)
         self.location = location
-        self._obstore, self._errors = obstore, exceptions
-        self._failures = (exceptions.BaseError, OSError, ValueError)
-        self._client = open_client(location)
+        self._keys = self.bucket.plain
         self._pool = ThreadPoolExecutor(location.requests_in_flight, thread_name_prefix="sparkcache-remote-gc")
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"RemoteBucket({self.location!r})"
+        return f"SweepRequests({self.location!r})"
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-    def _fail(self, exc: BaseException, what: str) -> OSError:
-        return describe(exc, self.location).os_error(what)
+        self.bucket.close()
 
     def list(self, prefix: str) -> list[Listed]:
         """Every key under ``prefix`` (ending in '/'), in key order."""
-        try:
-            return [Listed(m["path"], m["size"], m["last_modified"].timestamp())
-                    for chunk in self._obstore.list(self._client, prefix, chunk_size=1000) for m in chunk]
-        except self._failures as exc:
-            raise self._fail(exc, f"LIST of {self.location.where(prefix)}") from None
+        return [Listed(k.key, k.size, k.last_modified.timestamp()) for k in self._keys.list(prefix)]
 
     def folders(self, prefix: str) -> list[str]:
         """The names one level under ``prefix`` (ending in '/') that hold keys."""
+        import obstore
+        from obstore.exceptions import BaseError
+
         try:
-            found = self._obstore.list_with_delimiter(self._client, prefix)
-        except self._failures as exc:
-            raise self._fail(exc, f"LIST of {self.location.where(prefix)}") from None
+            found = obstore.list_with_delimiter(self.bucket.client, prefix)
+        except (BaseError, OSError, ValueError) as exc:
+            raise describe(exc, self.location).os_error(f"LIST of {self.location.where(prefix)}") from None
         return [p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]]
 
-    def get(self, key: str) -> bytes | None:
-        """The key's bytes, or None when it is not there."""
-        try:
-            return bytes(self._obstore.get(self._client, key).bytes())
-        except FileNotFoundError:
-            return None
-        except self._failures as exc:
-            raise self._fail(exc, f"GET of {self.location.where(key)}") from None
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        """The key's bytes, or None when it is not there; ``OSError`` (EFBIG) past ``max_bytes``."""
+        return self._keys.get(key, max_bytes)
 
     def put(self, key: str, data: bytes, replace: bool) -> None:
         """PUT ``data`` at ``key``: replacing what is there, or (not ``replace``) with
         ``If-None-Match: *``, leaving what another writer put first."""
-        try:
-            self._obstore.put(self._client, key, data, mode="overwrite" if replace else "create", use_multipart=False)
-        except self._errors.AlreadyExistsError:
-            pass
-        except self._failures as exc:
-            raise self._fail(exc, f"PUT of {self.location.where(key)}") from None
+        if replace:
+            self._keys.put(key, data)
+        else:
+            self._keys.put_new(key, data)
 
     def delete(self, key: str) -> None:
         """DELETE ``key`` (no error when it is not there)."""
-        try:
-            self._obstore.delete(self._client, key)
-        except FileNotFoundError:
-            pass
-        except self._failures as exc:
-            raise self._fail(exc, f"DELETE of {self.location.where(key)}") from None
+        self._keys.delete(key)
 
     def each(self, fn: Callable, items: list) -> list:
         """``[fn(item) for item in items]``, ``requests_in_flight`` at once; the first failure
@@ -216,7 +200,7 @@ def summarize(census: Census, max_bytes: int, grace_s: float, now: float) -> Cen
                          max(times, default=None), census.unknown)
 
 
-def take_census(bucket: RemoteBucket, namespace: str) -> Census:
+def take_census(bucket: SweepRequests, namespace: str) -> Census:
     """List and read ``namespace`` under the bucket's prefix; stops at the first failure, which
     ``unknown`` then names."""
     prefix = bucket.location.prefix
@@ -242,7 +226,7 @@ def take_census(bucket: RemoteBucket, namespace: str) -> Census:
                         manifests.append((parsed.name, listed))
                     else:
                         found[kind][(idd, parsed.name)] = listed
-            read = bucket.each(lambda item: (item, bucket.get(item[1].key)), manifests)
+            read = bucket.each(lambda item: (item, _manifest_bytes(bucket, item[1].key)), manifests)
             for (entry_id, listed), data in read:
                 if data is None:
                     continue  # deleted since it was listed
@@ -251,6 +235,17 @@ def take_census(bucket: RemoteBucket, namespace: str) -> Census:
     except (OSError, ManifestError) as exc:
         return _census(top, entries, found, foreign, (str(exc),))
     return _census(top, entries, found, foreign, ())
+
+
+def _manifest_bytes(bucket: SweepRequests, key: str) -> bytes | None:
+    try:
+        return bucket.get(key, MAX_MANIFEST_BYTES)
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        raise ManifestError(Reason.CORRUPT, f"remote manifest {bucket.location.where(key)} is larger than a "
+                            "manifest, so nothing of the namespace is deleted; remove that key and run "
+                            "remote-gc again") from None
 
 
 def _entry(keys: RemoteKeys, entry_id: str, listed: Listed, data: bytes,
@@ -274,4 +269,4 @@ def _census(top: str, entries: list[RemoteEntry], found: dict[KeyKind, dict[Name
                   foreign, unknown)
 
 
-__all__ = ["Census", "CensusSummary", "Listed", "RemoteBucket", "RemoteEntry", "summarize", "take_census"]
+__all__ = ["Census", "CensusSummary", "Listed", "RemoteEntry", "SweepRequests", "summarize", "take_census"]

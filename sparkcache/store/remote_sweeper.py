@@ -35,6 +35,7 @@ could not be read) plans nothing, and the report says why (``stopped_by=unknown`
 from __future__ import annotations
 
 import enum
+import errno
 import heapq
 import time
 from collections import Counter
@@ -42,9 +43,12 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .layout import is_entry_id
-from .remote_census import Census, Listed, RemoteBucket, RemoteEntry, take_census
+from .remote_census import Census, Listed, SweepRequests, RemoteEntry, take_census
 from .remote_keys import KeyKind
 from .s3_location import S3Location
+
+
+_POINTER_BYTES = 64  # a pointer's body is an entry id; a longer one is not ours
 
 
 class StoppedBy(enum.Enum):
@@ -165,7 +169,7 @@ class SweepReport:
 # ---------------------------------------------------------------------------- the plan
 
 
-def plan_sweep(bucket: RemoteBucket, census: Census, max_bytes: int, grace_s: float,
+def plan_sweep(bucket: SweepRequests, census: Census, max_bytes: int, grace_s: float,
                now: float | None = None) -> SweepPlan:
     """The pass's plan (see the module docstring); reads the bodies of the pointers it may change
     (GETs), deletes nothing. ``now``: seconds since the epoch (default the host's clock; the
@@ -227,7 +231,7 @@ def plan_sweep(bucket: RemoteBucket, census: Census, max_bytes: int, grace_s: fl
                    oldest_access=min((e.last_access for e in remaining), default=None))
 
 
-def _pointers(bucket: RemoteBucket, census: Census, chosen: list, remaining: list[RemoteEntry],
+def _pointers(bucket: SweepRequests, census: Census, chosen: list, remaining: list[RemoteEntry],
               holders: dict[tuple[str, str], RemoteEntry], old: Callable[[Listed], bool]
               ) -> tuple[tuple[Eviction, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
     """The evictions with their pointers (re-pointed to a remaining holder, else deleted); the
@@ -243,7 +247,7 @@ def _pointers(bucket: RemoteBucket, census: Census, chosen: list, remaining: lis
         if (named not in holders) == old(listed):
             asked[named] = listed
     order = list(asked)
-    bodies = dict(zip(order, bucket.each(lambda named: bucket.get(asked[named].key), order)))
+    bodies = dict(zip(order, bucket.each(lambda named: _pointer_body(bucket, asked[named].key), order)))
 
     def stale(named: tuple[str, str]) -> bool:
         body = bodies.get(named)
@@ -267,10 +271,20 @@ def _pointers(bucket: RemoteBucket, census: Census, chosen: list, remaining: lis
     return tuple(evictions), dangling, fixes
 
 
+def _pointer_body(bucket: SweepRequests, key: str) -> bytes | None:
+    """A pointer's body; one longer than an entry id is none of ours (``b""``: left alone)."""
+    try:
+        return bucket.get(key, _POINTER_BYTES)
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            return b""
+        raise
+
+
 # ---------------------------------------------------------------------------- applying it
 
 
-def apply_sweep(bucket: RemoteBucket, plan: SweepPlan, max_requests: int,
+def apply_sweep(bucket: SweepRequests, plan: SweepPlan, max_requests: int,
                 on_progress: Callable[[SweepProgress], None] | None = None) -> SweepReport:
     """Make the plan's requests in the order of the module docstring, stopping once
     ``max_requests`` are made (an eviction begun is finished) or at the first failed request."""
@@ -322,7 +336,7 @@ class _Tally:
     restored: int = 0
     marks: int = 0
 
-    def evict(self, bucket: RemoteBucket, e: Eviction) -> None:
+    def evict(self, bucket: SweepRequests, e: Eviction) -> None:
         self._many(bucket, lambda kv: bucket.put(kv[0], kv[1].encode(), replace=True), list(e.repoint))
         self.repointed += len(e.repoint)
         self._many(bucket, bucket.delete, list(e.drop_pointers))
@@ -336,29 +350,29 @@ class _Tally:
         self.objects += len(e.objects)
         self.freed += e.freed_bytes
 
-    def orphan(self, bucket: RemoteBucket, listed: Listed) -> None:
+    def orphan(self, bucket: SweepRequests, listed: Listed) -> None:
         self._many(bucket, bucket.delete, [listed.key])
         self.objects += 1
         self.orphans += 1
         self.freed += listed.size
 
-    def pointer(self, bucket: RemoteBucket, key: str) -> None:
+    def pointer(self, bucket: SweepRequests, key: str) -> None:
         self._many(bucket, bucket.delete, [key])
         self.pointers += 1
 
-    def restore(self, bucket: RemoteBucket, key_and_entry: tuple[str, str]) -> None:
+    def restore(self, bucket: SweepRequests, key_and_entry: tuple[str, str]) -> None:
         self._many(bucket, lambda kv: bucket.put(kv[0], kv[1].encode(), replace=False), [key_and_entry])
         self.restored += 1
 
-    def repoint(self, bucket: RemoteBucket, key_and_entry: tuple[str, str]) -> None:
+    def repoint(self, bucket: SweepRequests, key_and_entry: tuple[str, str]) -> None:
         self._many(bucket, lambda kv: bucket.put(kv[0], kv[1].encode(), replace=True), [key_and_entry])
         self.repointed += 1
 
-    def mark(self, bucket: RemoteBucket, key: str) -> None:
+    def mark(self, bucket: SweepRequests, key: str) -> None:
         self._many(bucket, bucket.delete, [key])
         self.marks += 1
 
-    def _many(self, bucket: RemoteBucket, fn: Callable, items: list) -> None:
+    def _many(self, bucket: SweepRequests, fn: Callable, items: list) -> None:
         bucket.each(fn, items)
         self.requests += len(items)
 
@@ -396,7 +410,7 @@ def sweep(location: S3Location, namespace: str, max_bytes: int, grace_s: float, 
           on_progress: Callable[[SweepProgress], None] | None = None) -> SweepReport:
     """One pass over ``namespace`` under ``location``'s prefix: census, plan, then (unless
     ``dry_run``) its requests, at most about ``max_requests`` of them."""
-    bucket = RemoteBucket(location)
+    bucket = SweepRequests(location)
     try:
         plan = plan_sweep(bucket, take_census(bucket, namespace), max_bytes, grace_s, now)
         return dry_run_report(plan) if dry_run else apply_sweep(bucket, plan, max_requests, on_progress)

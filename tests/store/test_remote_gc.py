@@ -15,10 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remote_gc_helpers import NAMESPACE, RemoteNamespace, tick
-from sparkcache.store.remote_census import RemoteBucket, take_census
+from remote_helpers import fresh_prefix, random_pages, remote_keys_of, tier_of, two_stores
+from sparkcache.store.remote_census import SweepRequests, take_census
+from sparkcache.store.remote_counts import FetchReason
 from sparkcache.store.remote_keys import KeyKind
 from sparkcache.store.remote_sweeper import StoppedBy, Why, apply_sweep, plan_sweep, sweep
-from store_helpers import run_cli
+from sparkcache.store.s3_location import S3Location
+from store_helpers import IDENT, open_store, run_cli
 from testing.seaweedfs import SeaweedFS
 
 GRACE_S = 3600.0
@@ -174,7 +177,7 @@ def test_a_server_that_stops_answering_deletes_nothing_and_the_cli_says_why(tmp_
             server.start()
         assert ns.listing().keys() == before.keys()
 
-        bucket = RemoteBucket(ns.location)
+        bucket = SweepRequests(ns.location)
         plan = plan_sweep(bucket, take_census(bucket, NAMESPACE), 1, GRACE_S)
         assert [e.why for e in plan.evictions] == [Why.LRU] * 4
         killed = []
@@ -268,7 +271,7 @@ def test_any_namespace_swept_to_any_bound_is_consistent_and_kept_the_most_recent
     for i in fetched:
         if i < len(entries):
             ns.access(entries[i])
-    bucket = RemoteBucket(ns.location)
+    bucket = SweepRequests(ns.location)
     try:
         last_access = {e.entry_id: e.last_access for e in take_census(bucket, NAMESPACE).entries}
     finally:
@@ -280,3 +283,40 @@ def test_any_namespace_swept_to_any_bound_is_consistent_and_kept_the_most_recent
     assert ns.used_bytes() <= bound or not left, (ns.used_bytes(), bound, left)
     gone = set(last_access) - set(left)
     assert max((last_access[e] for e in gone), default=0) <= min((last_access[e] for e in left), default=float("inf"))
+
+
+def test_the_tiers_own_uploads_and_fetches_then_a_pass_leave_every_fetch_a_hit_or_a_miss(
+        seaweedfs, monkeypatch, tmp_path):
+    """With the tier itself (remote_tier): store a uploads x1 (20 blocks), x2 (x1 grown to 40,
+    its pages shared) and y; store b fetches x2. Over the bound, x1 (never fetched: it frees
+    nothing, x2 holds its pages) and y go. A third store then fetches y: a miss; x1's prompt: a
+    hit through x2, since x1's pointers were re-pointed to it; the tier's bucket check is clean."""
+    a, b = two_stores(tmp_path)
+    c = open_store(tmp_path / "c")
+    prefix = fresh_prefix()
+    up, mid, down = (tier_of(seaweedfs, monkeypatch, store, prefix) for store in (a, b, c))
+    try:
+        keys = [f"{i:08x}{'cd' * 12}" for i in range(1, 41)]
+        pages = random_pages(10, 3000)
+        other = [f"{i:08x}{'ef' * 12}" for i in range(1, 9)]
+        x1 = a.publish(IDENT, keys[:20], pages[:5]).entry_id
+        assert up.upload(x1) and up.uploads.wait_idle(60), up.uploads.last_error
+        x2 = a.publish(IDENT, keys, pages).entry_id  # supersedes x1 locally: uploaded before
+        assert up.upload(x2) and up.uploads.wait_idle(60), up.uploads.last_error
+        tick()
+        y = a.publish(IDENT, other, random_pages(2, 3000)).entry_id
+        assert up.upload(y) and up.uploads.wait_idle(60), up.uploads.last_error
+        tick()
+        assert mid.fetch(IDENT, keys).hit
+        location = S3Location(seaweedfs.endpoint.bucket, prefix, seaweedfs.endpoint.url)
+        used = sum(size for key, size in remote_keys_of(seaweedfs, prefix).items() if "/objects/" in key)
+        report = sweep(location, "default", used - 2 * 3000, GRACE_S)
+        assert report.stopped_by is StoppedBy.DONE and report.entries_evicted == 2, report
+        assert report.pointers_repointed == 2 and report.used_bytes_after == used - 2 * 3000, report
+        assert down.fetch(IDENT, other).reason is FetchReason.NOT_FOUND
+        got = down.fetch(IDENT, keys[:20])
+        assert got.hit and got.entry_id == x2 and got.blocks == 20, got
+        assert up.check().clean and up.check().entries == 1
+    finally:
+        for tier in (up, mid, down):
+            tier.close()
