@@ -184,7 +184,7 @@ COUNTERS: tuple[CounterMetric, ...] = (
     _counter("remote_uploads_skipped", "Entries never uploaded, by why: the queue's bytes at "
              "SPARKCACHE_REMOTE_UPLOAD_QUEUE_BYTES (queue_full), evicted locally first (evicted), a "
              "longer entry of the same prompt queued behind it (superseded), its local bytes failing "
-             "verification (unreadable).", "reason", {k: r.value for r, k in SKIP_KEYS.items()}),
+             "verification (unreadable), an object larger than one PUT carries (refused).", "reason", {k: r.value for r, k in SKIP_KEYS.items()}),
     _counter("remote_fetch_hits", "Fetches from the shared tier that wrote a verified entry into "
              "the local store (or found it there).", None, {FETCH_HITS: ""}),
     _counter("remote_fetch_misses", "Fetches from the shared tier that missed, by reason: nothing "

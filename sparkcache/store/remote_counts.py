@@ -34,6 +34,7 @@ class UploadSkip(StrEnum):
     EVICTED = "evicted"  # the local store no longer held it when its turn came
     SUPERSEDED = "superseded"  # a longer entry of the same prompt was queued behind it
     UNREADABLE = "unreadable"  # its local manifest or an object failed verification
+    REFUSED = "refused"  # it cannot be uploaded as it is (an object larger than one PUT carries)
 
 
 FETCH_MISSES = tuple(r for r in FetchReason if r is not FetchReason.HIT)

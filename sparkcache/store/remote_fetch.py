@@ -119,6 +119,7 @@ class Fetcher:
             result = future.result(timeout=max(0.0, limit - (time.monotonic() - started)))
         except FutureTimeout:
             cancelled.set()
+            future.cancel()  # one still waiting for a worker never starts
             self.counts.add(DEADLINE_EXCEEDED)
             result = FetchResult(FetchReason.DEADLINE, detail=f"not done within {limit:g} s "
                                  "(SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS); the request recomputes")
@@ -130,6 +131,8 @@ class Fetcher:
 
     def _fetch(self, identity: Identity, keys: list[str], cancelled: threading.Event) -> FetchResult:
         try:
+            if cancelled.is_set():
+                raise _Miss(FetchReason.DEADLINE, "the deadline passed before a worker was free")
             if not keys:
                 raise _Miss(FetchReason.NOT_FOUND, "no block keys asked")
             shard = self.bucket.shard(self.local.namespace, identity.digest())
@@ -153,6 +156,8 @@ class Fetcher:
             return FetchResult(miss.reason, miss.entry_id, detail=miss.detail)
         except OSError as exc:
             return FetchResult(FetchReason.IO_ERROR, detail=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a fetch never raises: anything else is a miss too
+            return FetchResult(FetchReason.IO_ERROR, detail=f"{type(exc).__name__}: {exc}")
 
     def _deepest_pointer(self, shard: RemoteShard, keys: list[str]) -> tuple[int, str]:
         """The deepest indexed position whose pointer is present, and the entry it names."""

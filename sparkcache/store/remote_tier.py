@@ -62,7 +62,8 @@ class RemoteTier:
             self.counts.add(SKIP_KEYS[UploadSkip.EVICTED])
             return False
         m = entry.manifest
-        job = UploadJob(entry_id, m.identity_digest, m.block_keys[-1], sum(r.size for r in m.objects))
+        job = UploadJob(entry_id, m.identity_digest, m.block_keys[-1], sum(r.size for r in m.objects),
+                        m.state is not None)
         return self.uploads.submit(job, m.block_keys)
 
     def published(self, result) -> bool:

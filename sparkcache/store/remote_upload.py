@@ -4,12 +4,14 @@
 the bytes queued would pass the bound (``SPARKCACHE_REMOTE_UPLOAD_QUEUE_BYTES``): then it is
 skipped (``queue_full``), never held. An entry queued behind a shorter one of the same prompt
 (the shorter one's last block key is among its keys, same identity) takes its place: the shorter
-one is dropped (``superseded``), as the local store drops it too.
+one is dropped (``superseded``), as the local store drops it too (one holding a recurrent state
+stays: it is a resume point the longer one does not hold).
 
 One thread, started with the first entry, off the model's CPUs and at the publisher's priority
 (``cpus.run_as_publisher``), uploads them in order (``remote_push.push_entry``). An entry the
 local store no longer holds is dropped (``evicted``); one whose local bytes fail verification is
-dropped (``unreadable``). A failed upload (the remote store down, slow, refusing) stays at the
+dropped (``unreadable``), one the remote store cannot take as it is too (``refused``: an object
+larger than one PUT carries). A failed upload (the remote store down, slow, refusing) stays at the
 head of the queue and is tried again after a backoff that doubles from ``retry_first_s`` to
 ``retry_max_s``; the entries behind it wait (the remote store that failed one would fail them),
 and once the remote store answers again they all go.
@@ -42,6 +44,7 @@ class UploadJob:
     identity_digest: str
     last_block_key: str
     nbytes: int
+    holds_state: bool = False  # a hybrid entry: a resume point no longer entry holds, never superseded
 
 
 class UploadQueue:
@@ -74,7 +77,7 @@ class UploadQueue:
             if self._closed or job.entry_id in self._jobs:
                 return False
             for old in [j for j in self._jobs.values() if j.identity_digest == job.identity_digest
-                        and j.last_block_key in keys and j.entry_id != job.entry_id]:
+                        and j.last_block_key in keys and j.entry_id != job.entry_id and not j.holds_state]:
                 if not (self._busy and next(iter(self._jobs)) == old.entry_id):  # not the one uploading
                     self._drop(old, UploadSkip.SUPERSEDED)
             if self._bytes + job.nbytes > self.max_bytes:
@@ -150,7 +153,10 @@ class UploadQueue:
         except EntryUnreadable as exc:
             log.warning("sparkcache: not uploading %s", exc)
             self.counts.add(SKIP_KEYS[UploadSkip.UNREADABLE])
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:  # what no retry changes (an object larger than one PUT carries)
+            log.warning("sparkcache: not uploading entry %s: %s", job.entry_id, exc)
+            self.counts.add(SKIP_KEYS[UploadSkip.REFUSED])
+        except Exception as exc:  # noqa: BLE001 - any failure is tried again: the thread must not die
             self.counts.add(UPLOAD_FAILURES)
             self.last_error = f"entry {job.entry_id}: {exc}"
             log.warning("sparkcache: upload of entry %s failed, to be tried again: %s", job.entry_id, exc)

@@ -10,6 +10,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from remote_helpers import KillingLocal, fresh_prefix, remote_keys_of, tier_of
 from sparkcache.store import PageStore
 from sparkcache.store.remote_counts import UPLOAD_FAILURES, UPLOADS_DONE, FetchReason
@@ -33,16 +35,21 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("retry", ["when_told", "by_itself"])
 def test_a_server_killed_during_an_upload_leaves_no_broken_entry_and_the_upload_completes_after(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, retry):
+    """``when_told``: the retry waits for ``retry_now``, so the bucket is looked at between the
+    cut and the retry; ``by_itself``: the backoff's retry completes the upload once the server is
+    back (the bucket check, whenever it runs, finds no broken entry)."""
     with SeaweedFS(tmp_path / "s3") as server:
         a = open_store(tmp_path / "a")
         entry_id = _publish(a)
         # the 80th object read is after the first round of PUTs (64 objects) and before the last
         local = KillingLocal(a, "read_pages", 80, server.kill)
         prefix = fresh_prefix()
+        backoff = 3600 if retry == "when_told" else 0.2
         tier = tier_of(server, monkeypatch, local, prefix, timeout_s=2.0, connect_timeout_s=0.5, retries=0,
-                       retry_first_s=3600, retry_max_s=3600)  # tried again only when told
+                       retry_first_s=backoff, retry_max_s=backoff)
         try:
             assert tier.upload(entry_id)
             _wait(lambda: tier.counts.peek().get(UPLOAD_FAILURES, 0) >= 1, 30, "the upload's failure counted")
@@ -50,10 +57,12 @@ def test_a_server_killed_during_an_upload_leaves_no_broken_entry_and_the_upload_
             assert PageStore.verify_root(str(tmp_path / "a")).ok
             server.start()
             report = tier.check()
-            assert report.clean and report.entries == 0, report  # objects without a manifest: no entry
-            placed = [k for k in remote_keys_of(server, prefix) if "/objects/" in k]
-            assert 0 < len(placed) < len(KEYS) // 4, placed  # the cut fell inside the upload
-            tier.uploads.retry_now()
+            assert report.clean, report
+            if retry == "when_told":
+                assert report.entries == 0, report  # objects without a manifest: no entry
+                placed = [k for k in remote_keys_of(server, prefix) if "/objects/" in k]
+                assert 0 < len(placed) < len(KEYS) // 4, placed  # the cut fell inside the upload
+                tier.uploads.retry_now()
             assert tier.uploads.wait_idle(60), tier.uploads.last_error
             report = tier.check()
             assert report.clean and report.entries == 1 and report.objects == len(KEYS) // 4, report

@@ -78,6 +78,32 @@ def test_a_failed_upload_is_tried_again_after_its_backoff_and_the_rest_wait_behi
         queue.close()
 
 
+def test_a_hybrid_entry_is_never_superseded_and_an_entry_no_retry_helps_is_dropped():
+    remote, counts = _Remote(), RemoteCounts()
+    refused = _job(9).entry_id
+
+    def push(entry_id: str) -> Pushed:
+        if entry_id == refused:
+            raise ValueError("an object larger than one PUT carries")
+        return remote.push(entry_id)
+
+    queue = UploadQueue(push, counts, max_bytes=1 << 20)
+    try:
+        remote.gate.clear()
+        assert queue.submit(_job(1), ("k1",))
+        hybrid = UploadJob(_job(2).entry_id, "0" * 32, "k2", 100, holds_state=True)
+        assert queue.submit(hybrid, ("k2",))
+        assert queue.submit(_job(3), ("k2", "k3"))  # holds k2: a plain entry there would be superseded
+        assert queue.submit(_job(9), ("k9",))
+        remote.gate.set()
+        assert queue.wait_idle(10)
+        assert remote.pushed == [_job(n).entry_id for n in (1, 2, 3)]
+        assert SKIP_KEYS[UploadSkip.SUPERSEDED] not in counts.peek()
+        assert counts.peek()[SKIP_KEYS[UploadSkip.REFUSED]] == 1
+    finally:
+        queue.close()
+
+
 def test_counts_refuse_an_undeclared_key_and_every_key_is_a_declared_metric():
     counts = RemoteCounts()
     with pytest.raises(ValueError, match="remote_counts.py"):

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import obstore
 import pytest
 
-from remote_helpers import fresh_prefix, manifest_file_bytes, random_pages, remote_keys_of, tier_of, two_stores
+from remote_helpers import (KillingLocal, fresh_prefix, manifest_file_bytes, random_pages, remote_keys_of, tier_of,
+                            two_stores)
 from sparkcache.store import Identity, PageStore
-from sparkcache.store.remote_counts import (CORRUPT_REMOVED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, UPLOADS_DONE,
-                                            FetchReason)
+from sparkcache.store.remote_counts import (CORRUPT_REMOVED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, SKIP_KEYS,
+                                            UPLOADS_DONE, FetchReason, UploadSkip)
 from sparkcache.store.remote_keys import RemoteKeys
 from store_helpers import IDENT, run_cli
 
@@ -152,3 +153,26 @@ def test_remote_check_on_the_command_line_names_a_broken_entry(pair, seaweedfs, 
     done = run_cli("remote-check", env=env)
     assert done.returncode == 1 and "BAD absent" in done.stdout and pair.mine.manifest_key(entry_id) in done.stdout, done
     assert seaweedfs.endpoint.secret_key not in done.stdout + done.stderr
+
+
+def test_an_object_missing_in_the_middle_of_an_entry_is_an_absent_miss(pair, seaweedfs, tmp_path):
+    entry_id = _publish(pair.a, HEX_KEYS)
+    _upload(pair.up, entry_id)
+    middle = pair.a.entry(entry_id).manifest.pages[5]
+    obstore.delete(seaweedfs.raw_store(), pair.mine.object_key(middle.digest))
+    result = pair.down.fetch(IDENT, HEX_KEYS)
+    assert result.reason is FetchReason.ABSENT and middle.digest in result.detail, result
+    assert pair.down.counts.peek()[MISS_KEYS[FetchReason.ABSENT]] == 1
+    assert pair.b.entries() == [] and PageStore.verify_root(str(tmp_path / "b")).ok
+
+
+def test_an_entry_evicted_before_its_upload_is_dropped_and_counted(pair, seaweedfs, monkeypatch):
+    entry_id = _publish(pair.a, HEX_KEYS)
+    local = KillingLocal(pair.a, "manifest_bytes", 1, lambda: pair.a.discard([entry_id]))
+    tier = tier_of(seaweedfs, monkeypatch, local, pair.prefix)
+    try:
+        _upload(tier, entry_id)
+        assert tier.counts.peek() == {SKIP_KEYS[UploadSkip.EVICTED]: 1}
+        assert remote_keys_of(seaweedfs, pair.prefix) == {}
+    finally:
+        tier.close()
