@@ -1,4 +1,5 @@
-"""The ``sparkcache`` command: status, verify, gc, inspect.
+"""The ``sparkcache`` command: status, verify, gc, inspect, remote-check; remote-status and
+remote-gc for the shared tier's namespace (``remote_cli``).
 
 Every subcommand validates settings exactly as the connector does (environment
 ``SPARKCACHE_*`` plus an optional ``--config`` JSON dict in kv_connector_extra_config form);
@@ -28,9 +29,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY = 0, 1, 2, 3
 EXIT_CODES = {
     EXIT_OK: "did its job (status printed the report, verify found nothing bad, gc's pass ran, "
              "inspect showed the entry)",
-    EXIT_FAILED: "failed: verify or inspect --verify found bad files, inspect found no such entry, "
+    EXIT_FAILED: "failed: verify or inspect --verify found bad files, remote-check a broken remote "
+                 "entry, inspect found no such entry, "
                  "gc's pass stopped on a filesystem error, or the store could not be opened or "
-                 "read (the line on stderr names the file and the fix)",
+                 "read (the line on stderr names the file and the fix); remote-gc or remote-status "
+                 "could not list or read the remote namespace (nothing was deleted) or a request "
+                 "failed mid-pass (the line on stderr names the key and the fix)",
     EXIT_USAGE: "bad usage or settings (an unknown option, a bad SPARKCACHE_* value, no store at "
                 "the root)",
     EXIT_BUSY: "busy: another process held the store's lock past the wait bound (a serving "
@@ -67,6 +71,14 @@ def _count(maximum: int) -> Callable[[str], int]:
     return parse
 
 
+def namespace_and_config(p: argparse.ArgumentParser, under: str) -> None:
+    """The options every command has: ``--namespace`` (under ``under``) and ``--config``."""
+    p.add_argument("--namespace", help=f"namespace under {under} (SPARKCACHE_NAMESPACE)")
+    p.add_argument("--config", metavar="JSON",
+                   help="settings as a JSON object, keys as in kv_connector_extra_config "
+                        "(e.g. '{\"max_bytes\": \"40GiB\"}'), or @FILE to read it from a file")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="sparkcache", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -78,10 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--root", action="append" if many_roots else "store", metavar="DIR",
                        help="store directory (SPARKCACHE_ROOT)" +
                             ("; repeat for several ranks" if many_roots else ""))
-        p.add_argument("--namespace", help="namespace under the root (SPARKCACHE_NAMESPACE)")
-        p.add_argument("--config", metavar="JSON",
-                       help="settings as a JSON object, keys as in kv_connector_extra_config "
-                            "(e.g. '{\"max_bytes\": \"40GiB\"}'), or @FILE to read it from a file")
+        namespace_and_config(p, "the root")
 
     p = sub.add_parser("status", help="capacity line and the store's gauges (Prometheus text)",
                        description="Print the one-line capacity report, then the gauges an "
@@ -114,6 +123,16 @@ def _parser() -> argparse.ArgumentParser:
     common(p)
     p.add_argument("entry", metavar="ENTRY", help="entry id or a unique prefix of it")
     p.add_argument("--verify", action="store_true", help="also re-hash the entry's objects")
+    p = sub.add_parser("remote-check", help="read every remote entry of the namespace back; exit 1 on "
+                       "any broken one",
+                       description="List every manifest of the namespace in the shared tier's bucket "
+                                   "(SPARKCACHE_REMOTE_BUCKET, _ENDPOINT, _PREFIX), decode it and read "
+                                   "every object it names back, verified. Names each broken entry; "
+                                   "exit 1 if any, or when the bucket cannot be read.")
+    common(p)
+    from .remote_cli import add_remote_commands
+
+    add_remote_commands(sub, lambda p: namespace_and_config(p, "SPARKCACHE_REMOTE_PREFIX"))
     return parser
 
 
@@ -296,7 +315,45 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return status
 
 
-_COMMANDS = {"status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "inspect": cmd_inspect}
+def cmd_remote_check(args: argparse.Namespace) -> int:
+    extra = _read_config(args.config) if args.config is not None else {}
+    if args.root:
+        extra["root"] = os.path.abspath(args.root)
+    if args.namespace is not None:
+        extra["namespace"] = args.namespace
+    settings = load_settings(extra_config=extra)
+    if not settings.remote_bucket:
+        raise SettingsError("SPARKCACHE_REMOTE_BUCKET='': remote-check needs the shared tier's bucket; set it "
+                            "(and SPARKCACHE_REMOTE_ENDPOINT, SPARKCACHE_REMOTE_PREFIX as the connector has them)")
+    from .store.remote_bucket import RemoteBucket
+    from .store.remote_check import remote_check
+    from .store.s3_location import S3Location
+
+    bucket = RemoteBucket(S3Location.from_settings(settings))
+    try:
+        report = remote_check(bucket, settings.namespace)
+    finally:
+        bucket.close()
+    for fault in report.faults:
+        print(f"BAD {fault.reason}: {fault.key}: {fault.detail}")
+    print(f"remote-check: entries={report.entries} objects={report.objects} bytes={report.object_bytes} "
+          f"dangling_pointers={report.dangling_pointers} faults={len(report.faults)} -> "
+          f"{'ok' if report.clean else 'FAILED'}")
+    return 0 if report.clean else 1
+
+
+def _remote(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from . import remote_cli
+
+        return getattr(remote_cli, name)(args, _read_config(args.config) if args.config is not None else {})
+
+    return run
+
+
+_COMMANDS = {"status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "inspect": cmd_inspect,
+             "remote-check": cmd_remote_check, "remote-status": _remote("cmd_remote_status"),
+             "remote-gc": _remote("cmd_remote_gc")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from .connector.attribution import InputKind
 from .store.reasons import LOOKUP_MISSES, PUBLISH_FAILURES
+from .store.remote_counts import (CORRUPT_REMOVED, DEADLINE_EXCEEDED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, SKIP_KEYS,
+                                  UPLOAD_BYTES, UPLOAD_FAILURES, UPLOADS_DONE)
 
 if TYPE_CHECKING:  # for readers and type checkers; prometheus_client is imported where it is used
     from prometheus_client import Gauge
@@ -172,6 +174,33 @@ COUNTERS: tuple[CounterMetric, ...] = (
              "process's publications), shared (a publication, 10 s, or a leased lookup, 2 s: a "
              "holder that slow may be stopped or hung; the log says so at most once a minute).",
              "lock", {"lock_timeouts_shared": "shared", "lock_timeouts_exclusive": "exclusive"}),
+    # The shared tier (sparkcache/store/remote_*.py; the connector does not use it yet).
+    _counter("remote_uploads", "Entries uploaded whole to the shared tier (objects, then the "
+             "manifest, then the pointers).", None, {UPLOADS_DONE: ""}),
+    _counter("remote_upload_bytes", "Object bytes PUT to the shared tier (objects already there "
+             "not counted).", None, {UPLOAD_BYTES: ""}),
+    _counter("remote_upload_failures", "Upload tries that failed (the remote store down, slow or "
+             "refusing); each is tried again with backoff.", None, {UPLOAD_FAILURES: ""}),
+    _counter("remote_uploads_skipped", "Entries never uploaded, by why: the queue's bytes at "
+             "SPARKCACHE_REMOTE_UPLOAD_QUEUE_BYTES (queue_full), evicted locally first (evicted), a "
+             "longer entry of the same prompt queued behind it (superseded), its local bytes failing "
+             "verification (unreadable), an object larger than one PUT carries (refused).", "reason", {k: r.value for r, k in SKIP_KEYS.items()}),
+    _counter("remote_fetch_hits", "Fetches from the shared tier that wrote a verified entry into "
+             "the local store (or found it there).", None, {FETCH_HITS: ""}),
+    _counter("remote_fetch_misses", "Fetches from the shared tier that missed, by reason: nothing "
+             "there (not_found), a pointer without its manifest (manifest_absent), a manifest of "
+             "another identity (wrong_identity) or of other blocks (diverged), wrong bytes (corrupt), "
+             "an object missing (absent), the remote store failing (io_error), the deadline "
+             "(deadline), the local store refusing the entry (local_refused).", "reason",
+             {k: r.value for r, k in MISS_KEYS.items()}),
+    _counter("remote_fetched_bytes", "Object bytes fetched from the shared tier into the local "
+             "store.", None, {FETCHED_BYTES: ""}),
+    _counter("remote_deadline_exceeded", "Fetches still running at "
+             "SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS, abandoned (each is also a miss, deadline).",
+             None, {DEADLINE_EXCEEDED: ""}),
+    _counter("remote_corrupt_removed", "Remote objects and manifests found with wrong bytes on a "
+             "fetch and removed from the bucket, so the next upload of their entry puts them back.",
+             None, {CORRUPT_REMOVED: ""}),
 )
 
 # A worker's gauge carries a ``rank`` label: each tensor-parallel rank has its own slots,
@@ -348,3 +377,47 @@ def render_capacity_line(snapshots: Sequence[CapacitySnapshot]) -> str:
                                       and not s.unreadable for s in snapshots)
     return (f"sparkcache: capacity ranks={len(snapshots)} entries={entries} "
             f"used={used:.1f}/{limit:.1f}GiB healthy={'yes' if healthy else 'no'}")
+
+
+# ---------------------------------------------------------------------- the remote sweeper's gauges
+
+# What ``sparkcache remote-gc --metrics-file`` writes for a textfile collector (node_exporter's):
+# the sweeper runs from one place per namespace, not in an engine, so vLLM's /metrics never has
+# these; a ``namespace`` label tells the namespaces apart. Data keys: ``SweepReport``'s fields.
+REMOTE_GC_GAUGES: tuple[GaugeMetric, ...] = (
+    GaugeMetric("remote_gc_last_pass_ok", "1 when the last remote-gc pass ran (stopped_by done or "
+                "budget), 0 when it could not list or read the namespace or a request failed.", "ok", False),
+    GaugeMetric("remote_gc_last_pass_timestamp_seconds", "When the last remote-gc pass ended.", "ended_at", False),
+    GaugeMetric("remote_gc_used_bytes", "The namespace's remote objects' bytes after the last pass.",
+                "used_bytes_after", False),
+    GaugeMetric("remote_gc_limit_bytes", "SPARKCACHE_REMOTE_MAX_BYTES (0: no bound).", "max_bytes", False),
+    GaugeMetric("remote_gc_entries", "Remote entries after the last pass.", "entries_after", False),
+    GaugeMetric("remote_gc_evicted_entries", "Entries the last pass evicted.", "entries_evicted", False),
+    GaugeMetric("remote_gc_incomplete_entries", "Entries the last pass found with a missing object "
+                "(and evicted).", "incomplete_entries", False),
+    GaugeMetric("remote_gc_freed_bytes", "Bytes of objects the last pass deleted.", "bytes_freed", False),
+    GaugeMetric("remote_gc_young_unreferenced_bytes", "Bytes of objects no manifest references, younger "
+                "than the grace (uploads in progress, or cut short recently).", "young_unreferenced_bytes", False),
+    GaugeMetric("remote_gc_oldest_access_timestamp_seconds", "The oldest last access of a remote entry "
+                "left (0: none).", "oldest_access", False),
+    GaugeMetric("remote_gc_requests_left", "Requests the last pass planned and did not make (its "
+                "budget or a failure): more than 0 calls for another pass.", "requests_left", False),
+)
+
+if {g.name for g in REMOTE_GC_GAUGES} & {m.name for m in (*COUNTERS, *GAUGES, *HISTOGRAMS)}:
+    raise ValueError(f"{_WHERE}: a REMOTE_GC_GAUGES name is declared in another table too")
+
+
+def render_remote_gc_gauges(values: Mapping[str, float], namespace: str) -> str:
+    """Prometheus text of ``REMOTE_GC_GAUGES`` from ``values`` by data key (each key declared),
+    labelled with ``namespace``."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    declared = {g.key: g for g in REMOTE_GC_GAUGES}
+    registry = CollectorRegistry()
+    for key, value in values.items():
+        if key not in declared:
+            raise _refuse("gauge", key, "REMOTE_GC_GAUGES")
+        gauge = make_metric(declared[key], lambda **kw: Gauge(registry=registry, **kw), labelnames=["namespace"])
+        gauge.labels(namespace).set(value)
+    return generate_latest(registry).decode()

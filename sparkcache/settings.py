@@ -292,7 +292,8 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "and port only, no user or path: e.g. http://seaweedfs:8333); empty: AWS S3 in "
                "the region AWS_REGION names.", pattern=REMOTE_ENDPOINT_PATTERN),
     SettingRow("REMOTE_PREFIX", "str", "sparkcache", "Key prefix under which the remote store "
-               "keeps its objects (PREFIX/objects/ab/<the 64-hex digest>): '/'-separated names "
+               "keeps its keys (PREFIX/NAMESPACE/<identity digest>/ then objects/ab/<the 64-hex "
+               "digest>, manifests/, keys/, access/: docs/REMOTE.md): '/'-separated names "
                "of letters, digits, '.', '_' and '-'.", pattern=REMOTE_PREFIX_PATTERN),
     SettingRow("REMOTE_CONNECT_TIMEOUT_SECONDS", "float", 2.0, "Limit on connecting to the "
                "remote endpoint, each try.", minimum=0.05, maximum=60),
@@ -304,6 +305,26 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "REMOTE_TIMEOUT_SECONDS.", minimum=0, maximum=10),
     SettingRow("REMOTE_REQUESTS_IN_FLIGHT", "int", 4, "Remote requests one batch of puts or one "
                "batch exists keeps in flight at once.", minimum=1, maximum=64),
+    SettingRow("REMOTE_UPLOAD_QUEUE_BYTES", "bytes", 8 * _GiB, "Bound on the object bytes of the "
+               "entries waiting for their upload to the remote store (sparkcache.store.remote_tier); "
+               "an entry that would pass it is not uploaded (counted as skipped).",
+               minimum=1 << 20, maximum=1 << 50),
+    SettingRow("REMOTE_FETCH_DEADLINE_SECONDS", "float", 5.0, "Limit on one fetch of an entry from "
+               "the remote store after a local miss (lookup, manifest, objects, the local write); "
+               "past it the fetch is a miss and nothing of it is written locally.",
+               minimum=0.05, maximum=600),
+    SettingRow("REMOTE_NEGATIVE_CACHE_SECONDS", "float", 2.0, "How long a prefix the remote store "
+               "did not hold is not asked again (0: always ask).", minimum=0, maximum=3600),
+    SettingRow("REMOTE_MAX_BYTES", "bytes", 0, "Bound on the page objects' bytes of one namespace "
+               "in the remote store (every identity under PREFIX/NAMESPACE); `python -m sparkcache "
+               "remote-gc`, run from one place per namespace, evicts the entries least recently "
+               "accessed there until under it (docs/REMOTE.md, \"Remote capacity\"); 0: no bound.",
+               minimum=0),
+    SettingRow("REMOTE_GC_GRACE_SECONDS", "float", 3600.0, "Age (by its LastModified) below which "
+               "remote-gc never deletes a remote object or pointer that no manifest references: an "
+               "upload in progress puts its objects before its manifest. Longer than the slowest "
+               "upload plus the clock skew between the sweeper's host and the object store.",
+               minimum=60, maximum=7 * 86400),
     # The scheduler transforms' options (docs/RUNTIME_CONTRACT.md); absent means upstream behaviour.
     SettingRow("GPU_LEASE_SECONDS", "json_number", None, "GPU-lease accounting: a deadline on "
                "every delayed free of a finished request's blocks, whose retired recurrent "
@@ -365,6 +386,11 @@ class Settings:
     remote_timeout_seconds: float
     remote_retries: int
     remote_requests_in_flight: int
+    remote_upload_queue_bytes: int
+    remote_fetch_deadline_seconds: float
+    remote_negative_cache_seconds: float
+    remote_max_bytes: int
+    remote_gc_grace_seconds: float
     gpu_lease_seconds: float | None
     prefer_local_prefix: bool
     retain_decode_checkpoint: bool

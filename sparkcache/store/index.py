@@ -37,6 +37,7 @@ from .manifests import (HEADER_BYTES, MAX_MANIFEST_BYTES, Manifest, ManifestErro
                         decode, header_checksum)
 from .reasons import Reason
 from .snapshot import Snapshot, read as read_snapshot
+from .strides import STRIDE, deepest_indexed, indexed_positions
 
 _RECENCY = " (last access)"  # the suffix of an unknown recency's key in ``unknown``
 # A manifest may declare at most this many blocks (4M tokens at 16 per block; the in-memory
@@ -131,7 +132,7 @@ class EntryIndex:
         self.entries: dict[str, IndexedEntry] = {}
         self.bad: dict[str, BadManifest] = {}
         # identity -> block key -> (its position, the entry holding it, or a set of several), for
-        # the keys at the positions ``_indexed`` names (the first, then every STRIDE-th)
+        # the keys at the positions ``indexed_positions`` names (the first, then every STRIDE-th)
         self.blocks: dict[str, dict[str, tuple[int, str | set[str]]]] = {}
         self.ends: dict[str, dict[str, set[str]]] = {}  # identity -> last block key -> entries
         self.units: dict[tuple, set[str]] = {}  # unit key -> its shards' entry ids
@@ -262,7 +263,7 @@ class EntryIndex:
         if by_key is None:
             by_key = self.blocks[idd] = {}
         get = by_key.get
-        for pos in _indexed(len(keys)):
+        for pos in indexed_positions(len(keys)):
             key = keys[pos]
             slot = get(key)
             if slot is None:
@@ -307,7 +308,7 @@ class EntryIndex:
             if not ending:
                 del ends[m.block_keys[-1]]
         by_key = self.blocks.get(idd, {})
-        for pos in _indexed(len(m.block_keys)):
+        for pos in indexed_positions(len(m.block_keys)):
             key = m.block_keys[pos]
             slot = by_key.get(key)
             if slot is None:
@@ -763,36 +764,17 @@ class EntryIndex:
         self._marks.setdefault(idd, _DirMark()).names[entry_id] = inode
 
 
-STRIDE = 16  # besides its first, every STRIDE-th block key of an entry is indexed
 _MANIFEST_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _indexed(n: int) -> list[int]:
-    """The positions of an entry's ``n`` keys that the block index holds."""
-    return [0, *range(STRIDE - 1, n, STRIDE)] if n > STRIDE - 1 else [0]
-
-
 def _deepest_indexed(by_key: dict, wanted: tuple) -> int:
-    """The largest indexed position p (0, STRIDE-1, 2*STRIDE-1, ...) below ``len(wanted)``
-    whose key ``wanted[p]`` is stored at position p, or -1: bisection (keys are chained, so
-    every shorter prefix of a stored one is stored too)."""
+    """The largest indexed position p below ``len(wanted)`` whose key ``wanted[p]`` is stored
+    at position p, or -1 (``strides.deepest_indexed``)."""
     def stored(p: int) -> bool:
         slot = by_key.get(wanted[p])
         return slot is not None and slot[0] == p
 
-    if not stored(0):
-        return -1
-    at = lambda i: i * STRIDE - 1 if i else 0  # noqa: E731  (stride i's position)
-    lo, hi = 0, len(wanted) // STRIDE  # stride lo is stored; stride hi + 1 would be past the end
-    if hi and stored(at(hi)):
-        return at(hi)
-    while hi - lo > 1:  # stride hi is not stored
-        mid = (lo + hi) // 2
-        if stored(at(mid)):
-            lo = mid
-        else:
-            hi = mid
-    return at(lo)
+    return deepest_indexed(len(wanted), stored)
 
 
 def _read_all(fd: int, size: int) -> bytes:

@@ -32,7 +32,7 @@ from .identity import BlockHash, Identity, block_keys, entry_id_for
 from .index import BadManifest, IndexedEntry, ManifestLimits
 from .layout import StoreLayout, UnsafePathError, allocated
 from .locks import PIN_WAIT_S, PUBLISH_WAIT_S, shared_lock
-from .manifests import Manifest, PageRef, encode, pages_needed
+from .manifests import MAX_MANIFEST_BYTES, Manifest, PageRef, decode, encode, pages_needed
 from .objects import LocalBackend
 from .publication import BaseObjectGone, PublicationWriter
 from .pins import create_pin, live_pins, release_pin
@@ -44,6 +44,10 @@ from .streams import PageSourceError, PageStream
 from .verify import VerifyReport, verify_store
 from .writers import claim_writer
 from ..settings import Settings, check_number, format_bytes
+
+
+class _NotTheObject(Exception):
+    """An adopted entry's object whose bytes are not what its manifest records."""
 
 
 LOOKUP_REFRESH_S = 0.0002  # the time a lookup spends on other processes' changes (at least one)
@@ -77,6 +81,7 @@ class PageStore:
         check("ttl_seconds", ttl_seconds, minimum=0, unit="seconds; 0: no TTL")
         check("page_blocks", page_blocks, minimum=1, integer=True, unit="blocks")
         self.read_only = read_only
+        self.namespace = namespace
         self.layout = StoreLayout.create(root, namespace, make=not read_only)
         # every writer of the store uses one cap (SettingsError otherwise; writers.py)
         self._claim = None if read_only else claim_writer(self.layout, max_bytes, low_watermark_bytes)
@@ -184,23 +189,9 @@ class PageStore:
         entry_id = entry_id_for(idd, keys[-1])
         with self._mutex:
             self.catalog.refresh()
-            if self.catalog.used_bytes > self.max_bytes:
-                return self._failed(Reason.OVER_CAPACITY, started, entry_id,
-                                    f"store holds {self.catalog.used_bytes} bytes, above "
-                                    f"max_bytes={self.max_bytes}; maintenance will evict down to "
-                                    "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
-            # what this publication allocates at most: its new objects and the manifest
-            unit = self.catalog.alloc_unit
-            incoming = sum(allocated(n, unit) for n in stream.sizes if n is not None) + unit
-            if self.free_space_deficit(incoming) > 0:
-                # maintenance frees what this publication needed, not only what the floor does
-                self.free_wanted = max(self.free_wanted, incoming)
-                return self._failed(Reason.LOW_FREE_SPACE, started, entry_id,
-                                    f"the filesystem under {self.layout.base} would keep "
-                                    f"{format_bytes(max(0, self.free_bytes() - incoming))} free after "
-                                    f"this publication, under SPARKCACHE_MIN_FREE_BYTES="
-                                    f"{format_bytes(self.min_free_bytes)}; maintenance evicts to "
-                                    "restore it (free space on the volume, or lower the floor)")
+            refused = self._no_room(stream, entry_id, started)
+            if refused is not None:
+                return refused
             try:
                 reused_refs = self._resolve_missing_pages(idd, keys, bpp, sizes)
             except LookupError as exc:
@@ -209,16 +200,83 @@ class PageStore:
         too_much = self.catalog.limits.refusal_of(len(stream.sizes), declared, len(keys))
         if too_much is not None:
             return self._failed(Reason.OVER_CAPACITY, started, entry_id, too_much)
+
+        def manifest_of(refs: list[PageRef]) -> bytes:
+            state_ref = refs.pop() if state is not None else None
+            return encode(Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time(), state_ref))
+
+        return self._write_entry(idd, entry_id, keys, stream, reused_refs, manifest_of, pace, started)
+
+    def adopt(self, data: bytes, objects: Sequence[bytes | bytearray | memoryview]) -> PublishResult:
+        """Publish an entry as another store published it: ``data``, its manifest file's bytes
+        (kept verbatim), and ``objects``, the bytes of every object it names (``Manifest.objects``
+        order: its pages, then its state). It goes the way ``publish`` goes (the cap, the
+        free-space floor, the writer's crash-safe order, the journal), so the entry, its objects
+        and its manifest are what a publication here would have made. ``ManifestError`` for
+        ``data`` that does not decode; an object whose bytes are not what the manifest records
+        refuses the publication (``corrupt``) before its manifest is placed."""
+        if self.read_only:
+            raise PermissionError(f"{self.layout.base}: opened read-only; adopting an entry needs a writer")
+        started = time.monotonic()
+        manifest = decode(data)
+        wanted = manifest.objects
+        if len(objects) != len(wanted):
+            raise ValueError(f"adopt {manifest.entry_id}: {len(objects)} objects given, its manifest "
+                             f"names {len(wanted)}; pass its pages, then its state")
+        stream = PageStream.of(list(objects))
+        entry_id, idd = manifest.entry_id, manifest.identity_digest
+        with self._mutex:
+            self.catalog.refresh()
+            refused = self._no_room(stream, entry_id, started)
+            if refused is not None:
+                return refused
+        too_much = self.catalog.limits.refusal(manifest)
+        if too_much is not None:
+            return self._failed(Reason.OVER_CAPACITY, started, entry_id, too_much)
+
+        def manifest_of(refs: list[PageRef]) -> bytes:
+            for got, ref in zip(refs, wanted):
+                if (got.digest, got.size) != (ref.digest, ref.size) or ref.checksum not in (None, got.checksum):
+                    raise _NotTheObject(f"object {ref.digest} of entry {entry_id}: the bytes given hash "
+                                        f"to {got.digest} ({got.size} bytes); fetch it again")
+            return data
+
+        return self._write_entry(idd, entry_id, list(manifest.block_keys), stream, {}, manifest_of, None, started)
+
+    def _no_room(self, stream: PageStream, entry_id: str, started: float) -> PublishResult | None:
+        """[mutex] The refusal of a publication of ``stream``'s new objects that the cap or the
+        free-space floor forbids; None when it may go on."""
+        if self.catalog.used_bytes > self.max_bytes:
+            return self._failed(Reason.OVER_CAPACITY, started, entry_id,
+                                f"store holds {self.catalog.used_bytes} bytes, above "
+                                f"max_bytes={self.max_bytes}; maintenance will evict down to "
+                                "the low watermark (raise SPARKCACHE_MAX_BYTES if this is frequent)")
+        # what this publication allocates at most: its new objects and the manifest
+        unit = self.catalog.alloc_unit
+        incoming = sum(allocated(n, unit) for n in stream.sizes if n is not None) + unit
+        if self.free_space_deficit(incoming) > 0:
+            # maintenance frees what this publication needed, not only what the floor does
+            self.free_wanted = max(self.free_wanted, incoming)
+            return self._failed(Reason.LOW_FREE_SPACE, started, entry_id,
+                                f"the filesystem under {self.layout.base} would keep "
+                                f"{format_bytes(max(0, self.free_bytes() - incoming))} free after "
+                                f"this publication, under SPARKCACHE_MIN_FREE_BYTES="
+                                f"{format_bytes(self.min_free_bytes)}; maintenance evicts to "
+                                "restore it (free space on the volume, or lower the floor)")
+        return None
+
+    def _write_entry(self, idd: str, entry_id: str, keys: list[str], stream: PageStream,
+                     reused_refs: dict[int, PageRef], manifest_of: Callable[[list[PageRef]], bytes],
+                     pace: Callable[[], None] | None, started: float) -> PublishResult:
+        """Write the objects of ``stream`` and then the manifest ``manifest_of`` makes of their
+        refs (``PublicationWriter``'s order), journal it and read it into the view."""
         staging = Staging(self.layout)
         writer = PublicationWriter(self.layout, self.objects, staging, pace)
         try:
             staging.open()
             refs = writer.write_pages(stream, reused_refs)
-            state_ref = refs.pop() if state is not None else None
-            manifest = Manifest(entry_id, identity, tuple(keys), bpp, tuple(refs), time.time(),
-                                state_ref)
-            writer.commit(staging.temp_path("manifest"),
-                          encode(manifest), self.catalog.manifest_path(idd, entry_id),
+            data = manifest_of(refs)  # publish's takes the state's ref off: it counts pages
+            writer.commit(staging.temp_path("manifest"), data, self.catalog.manifest_path(idd, entry_id),
                           lambda: self.catalog.make_identity_dir(idd))
             try:
                 with shared_lock(self.layout, PUBLISH_WAIT_S):  # no journal rotation meanwhile
@@ -230,6 +288,8 @@ class PageStore:
             return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))
         except PageSourceError as exc:
             return self._failed(Reason.SOURCE_FAILED, started, entry_id, str(exc))
+        except _NotTheObject as exc:
+            return self._failed(Reason.CORRUPT, started, entry_id, str(exc))
         except (OSError, UnsafePathError) as exc:  # LockTimeout is an OSError too
             reason, detail = os_failure(exc)
             return self._failed(reason, started, entry_id, detail)
@@ -242,9 +302,29 @@ class PageStore:
             self.catalog.add_published(idd, entry_id)
             self.free_wanted = 0
         superseded = self._supersede_shorter(idd, keys)
-        result = PublishResult(True, Reason.PUBLISHED, entry_id, "", written, len(refs) - written,
-                               bytes_written, superseded, time.monotonic() - started)
-        return result
+        return PublishResult(True, Reason.PUBLISHED, entry_id, "", written, len(refs) - written,
+                             bytes_written, superseded, time.monotonic() - started)
+
+    def manifest_bytes(self, entry_id: str) -> tuple[Manifest, bytes] | None:
+        """The entry's manifest and its file's bytes as they are on disk (checked: they decode
+        to this entry); None when the store no longer holds it. ``ManifestError`` for a file
+        that does not decode, the filesystem's ``OSError`` for one that cannot be read."""
+        entry = self.entry(entry_id)
+        if entry is None:
+            return None
+        try:
+            fd = self.layout.open_file(entry.path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        try:
+            chunks, got = [], 1
+            while got and sum(map(len, chunks)) <= MAX_MANIFEST_BYTES:
+                chunks.append(os.read(fd, MAX_MANIFEST_BYTES + 1))
+                got = len(chunks[-1])
+            data = b"".join(chunks)
+        finally:
+            os.close(fd)
+        return decode(data, expected_entry_id=entry_id, expected_identity_digest=entry.manifest.identity_digest), data
 
     def _resolve_missing_pages(self, idd: str, keys: list[str], bpp: int,
                                sizes: Sequence[int | None]) -> dict[int, PageRef]:

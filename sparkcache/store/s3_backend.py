@@ -49,7 +49,9 @@ _STREAM_CHUNK = 8 << 20  # a GET's bytes are copied and hashed this much at a ti
 class S3Backend:
     """``backend.ObjectBackend`` on an S3 bucket (see the module docstring)."""
 
-    def __init__(self, location: S3Location) -> None:
+    def __init__(self, location: S3Location, client=None) -> None:
+        """``client``: an obstore ``S3Store`` of ``location``'s bucket to share (the tier's
+        shards, one backend per identity, share one); default: one of its own (``open_client``)."""
         import obstore
         from obstore import exceptions
 
@@ -58,7 +60,7 @@ class S3Backend:
         # what a request may raise: obstore's errors, and builtin ones (a missing object is a
         # FileNotFoundError, caught before these wherever it means "absent")
         self._failures = (exceptions.BaseError, OSError, ValueError)
-        self._client = open_client(location)
+        self._client = client if client is not None else open_client(location)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
