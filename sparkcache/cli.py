@@ -1,4 +1,5 @@
-"""The ``sparkcache`` command: status, verify, gc, inspect, remote-check.
+"""The ``sparkcache`` command: status, verify, gc, inspect, remote-check; remote-status and
+remote-gc for the shared tier's namespace (``remote_cli``).
 
 Every subcommand validates settings exactly as the connector does (environment
 ``SPARKCACHE_*`` plus an optional ``--config`` JSON dict in kv_connector_extra_config form);
@@ -31,7 +32,9 @@ EXIT_CODES = {
     EXIT_FAILED: "failed: verify or inspect --verify found bad files, remote-check a broken remote "
                  "entry, inspect found no such entry, "
                  "gc's pass stopped on a filesystem error, or the store could not be opened or "
-                 "read (the line on stderr names the file and the fix)",
+                 "read (the line on stderr names the file and the fix); remote-gc or remote-status "
+                 "could not list or read the remote namespace (nothing was deleted) or a request "
+                 "failed mid-pass (the line on stderr names the key and the fix)",
     EXIT_USAGE: "bad usage or settings (an unknown option, a bad SPARKCACHE_* value, no store at "
                 "the root)",
     EXIT_BUSY: "busy: another process held the store's lock past the wait bound (a serving "
@@ -68,6 +71,14 @@ def _count(maximum: int) -> Callable[[str], int]:
     return parse
 
 
+def namespace_and_config(p: argparse.ArgumentParser, under: str) -> None:
+    """The options every command has: ``--namespace`` (under ``under``) and ``--config``."""
+    p.add_argument("--namespace", help=f"namespace under {under} (SPARKCACHE_NAMESPACE)")
+    p.add_argument("--config", metavar="JSON",
+                   help="settings as a JSON object, keys as in kv_connector_extra_config "
+                        "(e.g. '{\"max_bytes\": \"40GiB\"}'), or @FILE to read it from a file")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="sparkcache", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,10 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--root", action="append" if many_roots else "store", metavar="DIR",
                        help="store directory (SPARKCACHE_ROOT)" +
                             ("; repeat for several ranks" if many_roots else ""))
-        p.add_argument("--namespace", help="namespace under the root (SPARKCACHE_NAMESPACE)")
-        p.add_argument("--config", metavar="JSON",
-                       help="settings as a JSON object, keys as in kv_connector_extra_config "
-                            "(e.g. '{\"max_bytes\": \"40GiB\"}'), or @FILE to read it from a file")
+        namespace_and_config(p, "the root")
 
     p = sub.add_parser("status", help="capacity line and the store's gauges (Prometheus text)",
                        description="Print the one-line capacity report, then the gauges an "
@@ -122,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "every object it names back, verified. Names each broken entry; "
                                    "exit 1 if any, or when the bucket cannot be read.")
     common(p)
+    from .remote_cli import add_remote_commands
+
+    add_remote_commands(sub, lambda p: namespace_and_config(p, "SPARKCACHE_REMOTE_PREFIX"))
     return parser
 
 
@@ -331,8 +342,18 @@ def cmd_remote_check(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def _remote(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from . import remote_cli
+
+        return getattr(remote_cli, name)(args, _read_config(args.config) if args.config is not None else {})
+
+    return run
+
+
 _COMMANDS = {"status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "inspect": cmd_inspect,
-             "remote-check": cmd_remote_check}
+             "remote-check": cmd_remote_check, "remote-status": _remote("cmd_remote_status"),
+             "remote-gc": _remote("cmd_remote_gc")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -388,3 +388,47 @@ def render_capacity_line(snapshots: Sequence[CapacitySnapshot]) -> str:
                                       and not s.unreadable for s in snapshots)
     return (f"sparkcache: capacity ranks={len(snapshots)} entries={entries} "
             f"used={used:.1f}/{limit:.1f}GiB healthy={'yes' if healthy else 'no'}")
+
+
+# ---------------------------------------------------------------------- the remote sweeper's gauges
+
+# What ``sparkcache remote-gc --metrics-file`` writes for a textfile collector (node_exporter's):
+# the sweeper runs from one place per namespace, not in an engine, so vLLM's /metrics never has
+# these; a ``namespace`` label tells the namespaces apart. Data keys: ``SweepReport``'s fields.
+REMOTE_GC_GAUGES: tuple[GaugeMetric, ...] = (
+    GaugeMetric("remote_gc_last_pass_ok", "1 when the last remote-gc pass ran (stopped_by done or "
+                "budget), 0 when it could not list or read the namespace or a request failed.", "ok", False),
+    GaugeMetric("remote_gc_last_pass_timestamp_seconds", "When the last remote-gc pass ended.", "ended_at", False),
+    GaugeMetric("remote_gc_used_bytes", "The namespace's remote objects' bytes after the last pass.",
+                "used_bytes_after", False),
+    GaugeMetric("remote_gc_limit_bytes", "SPARKCACHE_REMOTE_MAX_BYTES (0: no bound).", "max_bytes", False),
+    GaugeMetric("remote_gc_entries", "Remote entries after the last pass.", "entries_after", False),
+    GaugeMetric("remote_gc_evicted_entries", "Entries the last pass evicted.", "entries_evicted", False),
+    GaugeMetric("remote_gc_incomplete_entries", "Entries the last pass found with a missing object "
+                "(and evicted).", "incomplete_entries", False),
+    GaugeMetric("remote_gc_freed_bytes", "Bytes of objects the last pass deleted.", "bytes_freed", False),
+    GaugeMetric("remote_gc_young_unreferenced_bytes", "Bytes of objects no manifest references, younger "
+                "than the grace (uploads in progress, or cut short recently).", "young_unreferenced_bytes", False),
+    GaugeMetric("remote_gc_oldest_access_timestamp_seconds", "The oldest last access of a remote entry "
+                "left (0: none).", "oldest_access", False),
+    GaugeMetric("remote_gc_requests_left", "Requests the last pass planned and did not make (its "
+                "budget or a failure): more than 0 calls for another pass.", "requests_left", False),
+)
+
+if {g.name for g in REMOTE_GC_GAUGES} & {m.name for m in (*COUNTERS, *GAUGES, *HISTOGRAMS)}:
+    raise ValueError(f"{_WHERE}: a REMOTE_GC_GAUGES name is declared in another table too")
+
+
+def render_remote_gc_gauges(values: Mapping[str, float], namespace: str) -> str:
+    """Prometheus text of ``REMOTE_GC_GAUGES`` from ``values`` by data key (each key declared),
+    labelled with ``namespace``."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    declared = {g.key: g for g in REMOTE_GC_GAUGES}
+    registry = CollectorRegistry()
+    for key, value in values.items():
+        if key not in declared:
+            raise _refuse("gauge", key, "REMOTE_GC_GAUGES")
+        gauge = make_metric(declared[key], lambda **kw: Gauge(registry=registry, **kw), labelnames=["namespace"])
+        gauge.labels(namespace).set(value)
+    return generate_latest(registry).decode()

@@ -321,6 +321,16 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
                "for its pending uploads to the remote store before it stops (what is left is not "
                "uploaded; the next publication of that prefix queues it again); within the time "
                "vLLM gives its worker to stop.", minimum=0, maximum=3600),
+    SettingRow("REMOTE_MAX_BYTES", "bytes", 0, "Bound on the page objects' bytes of one namespace "
+               "in the remote store (every identity under PREFIX/NAMESPACE); `python -m sparkcache "
+               "remote-gc`, run from one place per namespace, evicts the entries least recently "
+               "accessed there until under it (docs/REMOTE.md, \"Remote capacity\"); 0: no bound.",
+               minimum=0),
+    SettingRow("REMOTE_GC_GRACE_SECONDS", "float", 3600.0, "Age (by its LastModified) below which "
+               "remote-gc never deletes a remote object or pointer that no manifest references: an "
+               "upload in progress puts its objects before its manifest. Longer than the slowest "
+               "upload plus the clock skew between the sweeper's host and the object store.",
+               minimum=60, maximum=7 * 86400),
     # The scheduler transforms' options (docs/RUNTIME_CONTRACT.md); absent means upstream behaviour.
     SettingRow("GPU_LEASE_SECONDS", "json_number", None, "GPU-lease accounting: a deadline on "
                "every delayed free of a finished request's blocks, whose retired recurrent "
@@ -386,6 +396,8 @@ class Settings:
     remote_fetch_deadline_seconds: float
     remote_negative_cache_seconds: float
     remote_drain_seconds: float
+    remote_max_bytes: int
+    remote_gc_grace_seconds: float
     gpu_lease_seconds: float | None
     prefer_local_prefix: bool
     retain_decode_checkpoint: bool

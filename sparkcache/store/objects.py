@@ -149,32 +149,46 @@ class LocalBackend:
         check_hash(ref, hasher.hexdigest(), path)
 
     def read_many_verified_into(self, refs: list, views_of: Callable[[int], Sequence[memoryview]]) -> None:
-        """``read_verified_into(refs[i], views_of(i))`` for every page: one run of consecutive
-        pages per CPU, each on a thread held to its CPU (``per_cpu_map``). Reads and hashing
-        release the GIL, so each core reads pages of its own and hashes each read while it is
-        still in its cache (one thread per CPU: more would evict each other's reads before
-        they are hashed; docs/RESULTS.md). Once every run has ended, raises the error of the
-        first page in ``refs`` order that had one."""
+        """``read_verified_into(refs[i], views_of(i))`` for every page, on one reader per CPU,
+        each on a thread held to its CPU (``per_cpu_map``; the calling thread is one of them).
+        Reads and hashing release the GIL, so each core reads pages of its own and hashes each
+        read while it is still in its cache (one thread per CPU: more would evict each other's
+        reads before they are hashed; docs/RESULTS.md). The readers take the pages one after
+        another, whichever is free next (``_Claims``), not in fixed runs: a reader woken late,
+        or sharing its CPU, holds up only the page it has. Every object is checked present
+        (taken the same way) before any reader writes. Once every reader has ended, raises the
+        error of the first page in ``refs`` order that had one."""
         readers = max(1, min(len(refs), len(pool_cpus("io"))))
-        runs = [range(len(refs) * k // readers, len(refs) * (k + 1) // readers) for k in range(readers)]
+        checks, reads = _Claims(len(refs)), _Claims(len(refs))
+        errors: dict[int, BaseException] = {}
+        all_checked = threading.Event()   # every object present, or a check failed
 
-        present = threading.Barrier(readers)
+        def stop(i: int, exc: BaseException) -> None:
+            errors[i] = exc
+            checks.stop()
+            reads.stop()
+            all_checked.set()  # the others stop waiting, and write nothing
 
-        def read_run(run: range) -> None:
-            try:
-                for i in run:
+        def reader(_: int) -> None:
+            for i in checks:
+                try:
                     self.check_present(refs[i].digest, refs[i].size)
-            except BaseException:
-                present.abort()  # whatever it is, the other runs stop before they write anything
-                raise
-            try:
-                present.wait()
-            except threading.BrokenBarrierError:
-                return  # another run found an object gone: its error is raised
-            for i in run:
-                self.read_verified_into(refs[i], views_of(i))
+                except BaseException as exc:  # noqa: BLE001 - whatever it is, raised below
+                    stop(i, exc)
+                    return
+                if checks.done_one():
+                    all_checked.set()
+            all_checked.wait()
+            for i in reads:
+                try:
+                    self.read_verified_into(refs[i], views_of(i))
+                except BaseException as exc:  # noqa: BLE001 - raised below, once every reader has ended
+                    stop(i, exc)
+                    return
 
-        _each_in_parallel(read_run, runs, mapper=per_cpu_map)
+        per_cpu_map(reader, list(range(readers)))
+        if errors:
+            raise errors[min(errors)]
 
     def start_readers(self) -> None:
         """Start the threads ``read_many_verified_into`` reads on (one per CPU) now, so the
@@ -386,8 +400,34 @@ def _unreadable(exc: OSError, digest: str, path: str) -> OSError:
 _SERIAL_CHECK_PAGES = 8  # check_many_present: up to this many pages on the calling thread
 
 
-def _each_in_parallel(fn, items: list, *, parallel: bool = True, mapper=parallel_map) -> list:
-    """``[fn(item) for item in items]`` through ``mapper`` on the io pool (or, without
+class _Claims:
+    """Indices 0..n-1 handed out once each, in order, to whichever thread asks next, until
+    ``stop``; ``done_one`` says whether the last of them has been done."""
+
+    def __init__(self, n: int) -> None:
+        self._n, self._next, self._done, self._stopped = n, 0, 0, False
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            with self._lock:
+                if self._stopped or self._next >= self._n:
+                    return
+                i, self._next = self._next, self._next + 1
+            yield i
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+
+    def done_one(self) -> bool:
+        with self._lock:
+            self._done += 1
+            return self._done == self._n
+
+
+def _each_in_parallel(fn, items: list, *, parallel: bool = True) -> list:
+    """``[fn(item) for item in items]`` on the io pool (or, without
     ``parallel``, on this thread). Every call ends before anything is raised (so no thread
     still writes into a caller's buffers after it has been told of a failure); then the
     first failure in ``items`` order is raised."""
@@ -397,7 +437,7 @@ def _each_in_parallel(fn, items: list, *, parallel: bool = True, mapper=parallel
         except Exception as exc:  # noqa: BLE001 - raised below, once every call has ended
             return exc
 
-    results = mapper(call, items) if parallel else [call(item) for item in items]
+    results = parallel_map(call, items) if parallel else [call(item) for item in items]
     for item in results:
         if isinstance(item, Exception):
             raise item

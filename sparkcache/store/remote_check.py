@@ -5,8 +5,10 @@ manifest GETs it, decodes it (its entry id and identity digest must be its key's
 object it names back through the shard's verified ``S3Backend.get``. An entry whose manifest
 does not decode, or one of whose objects is missing, short or wrong, is a ``RemoteFault``. The
 upload's order (objects, then the manifest) means a whole bucket has none; the fault tests prove
-it with this. Pointers whose entry has no manifest are counted apart (the capacity sweeper
-removes an entry's manifest before its pointers), not faults.
+it with this. Pointers whose entry has no manifest are counted apart, not faults: a lookup that
+follows one misses (``manifest_absent``), and the capacity sweeper re-points or removes them (a
+sweeper stopped between an entry's pointers and its manifest, or a pointer PUT by an upload racing
+an eviction, leaves one).
 """
 
 from __future__ import annotations

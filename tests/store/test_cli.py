@@ -186,6 +186,8 @@ def test_cli_does_not_import_vllm_or_torch(tmp_path):
 # Each subcommand with the positional arguments it needs; the store root does not exist, so a
 # usage error must be reported before the store is looked for (or imported).
 SUBCOMMANDS = {"status": (), "verify": (), "gc": (), "inspect": ("abcdef",), "remote-check": ()}
+# The capacity sweeper's commands need no local store (tests/store/test_remote_gc.py runs them on a bucket).
+REMOTE_SUBCOMMANDS = ("remote-status", "remote-gc")
 
 
 def _refused_in_one_line(cli, *needles: str) -> str:
@@ -248,6 +250,19 @@ def test_argument_errors_of_every_subcommand_are_one_line(tmp_path, cmd):
     _refused_in_one_line(cli, "SPARKCACHE_NAMESPACE=''")
 
 
+@pytest.mark.parametrize("cmd", REMOTE_SUBCOMMANDS)
+def test_the_remote_commands_refuse_bad_usage_in_one_line(tmp_path, cmd):
+    value, names = _config_arg(tmp_path, "invalid_json")
+    _refused_in_one_line(run_cli(cmd, "--config", value), names, "--config")
+    _refused_in_one_line(run_cli(cmd, "--no-such-option"), "--no-such-option", f"sparkcache {cmd} --help")
+    _refused_in_one_line(run_cli(cmd), "SPARKCACHE_REMOTE_BUCKET=''", "set it")
+    _refused_in_one_line(run_cli(cmd, env={"SPARKCACHE_REMOTE_BUCKET": "kv-pages", "SPARKCACHE_REMOTE_MAX_BYTES": "-1"}),
+                         "SPARKCACHE_REMOTE_MAX_BYTES='-1'")
+    assert "exit" in run_cli(cmd, "--help").stdout.lower()
+    if cmd == "remote-gc":
+        _refused_in_one_line(run_cli(cmd, "--max-requests", "0"), "--max-requests", "'0'")
+
+
 def test_missing_or_unknown_command_and_missing_entry_are_one_line():
     _refused_in_one_line(run_cli(), "COMMAND", "sparkcache --help")
     _refused_in_one_line(run_cli("bogus"), "'bogus'", "status")
@@ -262,7 +277,7 @@ def test_every_command_and_option_has_help_text():
     top = _parser()
     (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {choice.dest: choice.help for choice in sub._choices_actions}
-    assert set(helps) == set(sub.choices) == set(SUBCOMMANDS), helps
+    assert set(helps) == set(sub.choices) == set(SUBCOMMANDS) | set(REMOTE_SUBCOMMANDS), helps
     for name, parser in sub.choices.items():
         assert helps[name] and parser.description, name
         for action in parser._actions:

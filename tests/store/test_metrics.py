@@ -104,7 +104,9 @@ def test_every_metric_the_docs_dashboard_and_alerts_name_is_declared():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    declared = {PREFIX + m.name for m in (*COUNTERS, *GAUGES, *HISTOGRAMS)}
+    from sparkcache.metrics import REMOTE_GC_GAUGES  # what remote-gc --metrics-file writes
+
+    declared = {PREFIX + m.name for m in (*COUNTERS, *GAUGES, *HISTOGRAMS, *REMOTE_GC_GAUGES)}
     files = [*sorted((repo / "docs" / "monitoring").iterdir()), *sorted((repo / "docs").glob("*.md")),
              repo / "README.md"]
     named = {(m, f.name) for f in files if f.is_file()
@@ -113,3 +115,14 @@ def test_every_metric_the_docs_dashboard_and_alerts_name_is_declared():
     unknown = sorted((m, f) for m, f in named
                      if m not in declared and re.sub(r"_(total|bucket|count|sum)$", "", m) not in declared)
     assert not unknown, unknown
+
+
+def test_the_remote_sweepers_gauges_render_with_a_namespace_and_refuse_an_undeclared_key():
+    from sparkcache.metrics import REMOTE_GC_GAUGES, render_remote_gc_gauges
+
+    assert all(g.name.startswith("remote_gc_") and not g.per_rank for g in REMOTE_GC_GAUGES)
+    text = render_remote_gc_gauges({"ok": 1, "used_bytes_after": 5}, "prod")
+    assert 'vllm:sparkcache_remote_gc_last_pass_ok{namespace="prod"} 1.0' in text
+    assert 'vllm:sparkcache_remote_gc_used_bytes{namespace="prod"} 5.0' in text
+    with pytest.raises(UndeclaredMetric, match="REMOTE_GC_GAUGES"):
+        render_remote_gc_gauges({"used_bites": 5}, "prod")

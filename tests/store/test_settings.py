@@ -18,6 +18,8 @@ def _documented_defaults() -> dict[str, str]:
     ``SPARKCACHE_A_MAX_X / _MAX_Y`` rows share a stem; ``80% of ... (32GiB)`` states the
     number in parentheses; ``0 (off)``, ``1.0 s`` and ``100 ms`` are numbers with a word."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "SIZING.md").read_text()
+    # that table only (others, e.g. the shared tier's sizing, have a setting column too)
+    doc = doc[doc.index("| setting | meaning | default |"):].split("\n\n", 1)[0]
     out = {}
     for names, default in re.findall(r"^\| `(SPARKCACHE_[A-Z_ /]+)` \|.*\| ([^|]+) \|$", doc, re.M):
         first, *more = [n.strip() for n in names.split("/")]
@@ -79,12 +81,21 @@ def test_env_and_extra_config_precedence():
     ("SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS", "0", "0.05 .. 600"),
     ("SPARKCACHE_REMOTE_NEGATIVE_CACHE_SECONDS", "-1", "0 .. 3600"),
     ("SPARKCACHE_REMOTE_DRAIN_SECONDS", "-1", "0 .. 3600"),
+    ("SPARKCACHE_REMOTE_MAX_BYTES", "2T", "TiB"),
+    ("SPARKCACHE_REMOTE_GC_GRACE_SECONDS", "5", "60 .. 604800"),  # shorter than an upload could take
 ])
 def test_bad_value_names_setting_value_and_range(var, value, expect):
     with pytest.raises(SettingsError) as err:
         load_settings(env=dict(ROOT, **{var: value}))
     msg = str(err.value)
     assert var in msg and repr(value) in msg and expect in msg, msg
+
+
+def test_the_remote_bound_is_off_unless_set_and_the_grace_defaults_to_an_hour():
+    s = load_settings(env=ROOT)
+    assert (s.remote_max_bytes, s.remote_gc_grace_seconds) == (0, 3600.0)
+    s = load_settings(env=dict(ROOT, SPARKCACHE_REMOTE_MAX_BYTES="2TiB"), extra_config={"remote_gc_grace_seconds": 600})
+    assert (s.remote_max_bytes, s.remote_gc_grace_seconds) == (2 << 40, 600.0)
 
 
 def test_bad_value_from_extra_config_names_source():
