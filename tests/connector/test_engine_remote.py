@@ -60,9 +60,16 @@ def aws_env(server):
         os.environ.update(saved)
 
 
+# A fetch writes the entry into the local store (its syncs) within the deadline: on a disk that
+# other programs keep busy the default can pass first, and the request then recomputes (a miss,
+# as it should be, but not what these tests are about).
+FETCH_DEADLINE_S = 30
+
+
 def remote_extra(server, root, prefix: str) -> dict:
     return {"root": str(root), "min_span_tokens": 64, "remote_bucket": server.endpoint.bucket,
-            "remote_endpoint": server.endpoint.url, "remote_prefix": prefix}
+            "remote_endpoint": server.endpoint.url, "remote_prefix": prefix,
+            "remote_fetch_deadline_seconds": FETCH_DEADLINE_S}
 
 
 def location(server, prefix: str) -> S3Location:

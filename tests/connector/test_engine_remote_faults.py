@@ -100,7 +100,7 @@ def lives(tiny_model, server, tmp_path_factory):
     b_extra = {**remote_extra(server, roots["b"], prefix), "remote_drain_seconds": 1}
     b = run_engine({**base, "extra": b_extra, "phases": [{"prompts": [V]}, {"prompts": [D]}]},
                    timeout=900, env=env, between=between_b)
-    out["b"] = b["phases"]
+    out["b"], out["b_log"] = b["phases"], b["log"]
     server.start()
     out["b_verify"] = PageStore.verify_root(str(roots["b"]), "default")
     out["b_check"] = bucket_check(server, prefix)
@@ -146,6 +146,8 @@ def test_a_killed_server_during_a_fetch_is_a_miss_and_the_request_recomputes(liv
     assert metric(missed, "vllm:sparkcache_remote_fetch_misses", reason="io_error") >= 1
     assert lives["b_verify"].ok, lives["b_verify"].problems
     assert lives["b_check"].clean, lives["b_check"]
+    # B recomputed and published D with the server dead: its stop waited its drain, no longer
+    assert "not uploaded to the shared tier within SPARKCACHE_REMOTE_DRAIN_SECONDS=1" in lives["b_log"]
 
 
 def test_a_flipped_byte_in_a_remote_object_is_refused_recomputed_and_put_back(lives):
