@@ -17,6 +17,9 @@ TP=1, each life in its own process:
 
 TP=2 (vLLM's own processes, a worker per rank): life A2 publishes and uploads both ranks'
 shards; life B2 (an empty root) fetches both and restores them with identical output.
+
+The tiny NemotronH (Mamba2 + attention, asynchronous loads): entries of pages and the recurrent
+state at their end, uploaded by A, restored by B from the bucket with identical tokens.
 """
 
 from __future__ import annotations
@@ -194,3 +197,32 @@ def test_tp2_life_b_fetches_every_rank_s_shard_and_restores_with_identical_outpu
     store = PageStore(str(tp_lives["roots"]["b"]), read_only=True)
     assert sorted(e.manifest.identity.tp_rank for e in store.entries()) == [0, 1]
     assert PageStore.verify_root(str(tp_lives["roots"]["b"]), "default").ok
+
+
+@pytest.fixture(scope="module")
+def hybrid_lives(hybrid_model, seaweedfs, tmp_path_factory):
+    """The tiny NemotronH (Mamba2 + attention): entries are pages plus the recurrent state at
+    their end, restored asynchronously; A publishes and uploads, B (an empty root) restores."""
+    from .test_engine_hybrid import HYBRID, PROMPT
+
+    prefix = f"engine/{uuid.uuid4().hex[:8]}/hybrid"
+    roots = {name: tmp_path_factory.mktemp(f"hybrid-{name}") for name in ("a", "b")}
+    env = seaweedfs.endpoint.aws_env()
+    base = {"model": hybrid_model, **HYBRID, "connector": "sparkcache", "prompts": [PROMPT]}
+    out = {"a": run_engine({**base, "extra": remote_extra(seaweedfs, roots["a"], prefix)}, env=env)}
+    out["b"] = run_engine({**base, "extra": remote_extra(seaweedfs, roots["b"], prefix)}, env=env)
+    out["check"] = bucket_check(seaweedfs, prefix)
+    return out
+
+
+def test_a_hybrid_model_restores_pages_and_state_from_the_bucket_with_identical_tokens(hybrid_lives):
+    from .test_engine_hybrid import REUSABLE as HYBRID_REUSABLE
+
+    a, b = hybrid_lives["a"], hybrid_lives["b"]
+    assert _record(a)["external_tokens"] == 0
+    rec = _record(b)
+    assert (rec["external_tokens"], rec["remote_tokens"], rec["failed_restores"]) == \
+        (HYBRID_REUSABLE, HYBRID_REUSABLE, 0), rec
+    assert b["results"][0]["tokens"] == a["results"][0]["tokens"]
+    assert metric(b, "vllm:sparkcache_state_restores", outcome="ok") == 1
+    assert hybrid_lives["check"].clean and hybrid_lives["check"].entries >= 1, hybrid_lives["check"]
