@@ -267,8 +267,10 @@ class SchedulerSide:
         keys = self._keys(st, n_blocks)
         if keys is None:
             return 0, False
-        depth, handle = self._stored_depth(keys, with_state=self.hybrid)
-        if self._worth_fetching(st, depth, n_blocks, num_computed_tokens):
+        # while its fetch runs the request is not looked up locally (the fetch writes there)
+        fetching = self.remote is not None and self.remote.running(request.request_id)
+        depth, handle = (0, None) if fetching else self._stored_depth(keys, with_state=self.hybrid)
+        if fetching or self._worth_fetching(st, depth, n_blocks, num_computed_tokens):
             outcome = self.remote.poll(request.request_id, keys)
             if outcome is None:  # fetching: vLLM skips the request this step and asks again
                 return None, False
@@ -284,12 +286,9 @@ class SchedulerSide:
 
     def _worth_fetching(self, st: _ReqState, depth: int, n_blocks: int, num_computed: int) -> bool:
         """Whether to ask the shared tier: the local store offers fewer blocks than the prompt
-        could use, by at least ``min_span_tokens``, and this request was not fetched for yet; or
-        its fetch runs (its outcome is waited for, whatever the local store holds meanwhile)."""
+        could use, by at least ``min_span_tokens``, and this request was not fetched for yet."""
         if self.remote is None or self.remote.is_done(st.request.request_id):
             return False
-        if self.remote.running(st.request.request_id):
-            return True
         gain = n_blocks * self.block_size - max(depth * self.block_size, num_computed)
         return gain >= max(1, self.settings.min_span_tokens)
 
