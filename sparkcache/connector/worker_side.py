@@ -486,7 +486,10 @@ class WorkerSide:
             # Written moments ago by another process (the scheduler's fetch from the shared tier
             # adopts every rank's shard): a lookup reads only the journal records that fit its
             # budget, so read them all (``entries``) and look again before refusing.
-            self.store.entries()
+            try:
+                self.store.entries()
+            except OSError:
+                pass  # the lookup below says what fails
             found = self.store.lookup(self.identity, plan.keys, with_state=self.layout.has_state)
         if not found.hit:
             self._add("lookup_miss_" + found.reason)
@@ -749,7 +752,7 @@ class WorkerSide:
     def _drain_uploads(self, tier: RemoteTier) -> None:
         """Give the pending uploads ``SPARKCACHE_REMOTE_DRAIN_SECONDS`` to finish (after the
         publications the slots drained), then stop the tier: never longer, whatever the remote
-        store does (what is left is not uploaded; docs/REMOTE.md, "Shutdown")."""
+        store does (what is left is not uploaded; docs/REMOTE.md, "The connector and the tier")."""
         started = time.monotonic()
         bound = self.settings.remote_drain_seconds
         if not tier.uploads.wait_idle(bound):
