@@ -6,17 +6,19 @@
   2. one GET of the manifest the pointer names; it must decode (else it is removed from the
      bucket: ``corrupt``), be of this identity (``wrong_identity``) and hold the prompt's block
      keys up to the pointer (``diverged``); a missing one is ``manifest_absent``;
-  3. every object it names GET through the shard's ``S3Backend.get`` (verified exactly as a local
-     read); one missing or short is ``absent``; one with wrong bytes is removed from the bucket
-     (the next upload of its entry puts it back) and the fetch is ``corrupt``;
-  4. the entry written into the local store through its publication path (``adopt``), the
-     manifest's bytes as they were;
-  5. the entry's access mark PUT.
+  3. its objects GET through the shard's ``S3Backend.get`` (verified exactly as a local read),
+     ``SPARKCACHE_REMOTE_REQUESTS_IN_FLIGHT`` at once, and handed in order, as they come, to the
+     local store's publication path (``adopt`` of a ``remote_feed.ObjectFeed``'s stream), so the
+     local writes overlap the GETs and the fetch holds a few objects, never the whole entry; the
+     manifest's bytes, as they were, are placed only once every object is verified and written.
+     One missing or short is ``absent``; one with wrong bytes is removed from the bucket (the
+     next upload of its entry puts it back) and the fetch is ``corrupt``; either leaves no entry;
+  4. the entry's access mark PUT.
 It runs on a worker thread; the caller waits until the deadline, and past it returns a miss
-(``deadline``) while the worker is told to write nothing locally (a worker already writing when
-the deadline passes finishes that publication: the entry then appears whole, never in part). The
-bucket given is one whose requests are bounded by the deadline too, so an abandoned worker ends
-soon after it. Every failure is a miss with its reason, counted; nothing raises.
+(``deadline``) while the worker is told to write nothing more locally: its publication stops at
+the next object it takes and leaves no entry (one that has taken every object finishes: the entry
+then appears whole, never in part). The bucket given is one whose requests are bounded by the
+deadline too, so an abandoned worker ends soon after it. Every failure is a miss with its reason, counted; nothing raises.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .reasons import Reason
 from .remote_bucket import RemoteBucket, RemoteShard
 from .remote_counts import (CORRUPT_REMOVED, DEADLINE_EXCEEDED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, FetchReason,
                             RemoteCounts)
+from .remote_feed import ObjectFeed
 from .remote_push import LocalEntries
 from .strides import deepest_indexed
 
@@ -141,14 +144,8 @@ class Fetcher:
             blocks = _common_prefix(manifest.block_keys, keys)
             if self.local.entry(entry_id) is not None:
                 return FetchResult(FetchReason.HIT, entry_id, blocks, 0, "held locally already")
-            objects = self._objects(shard, manifest)
-            if cancelled.is_set():
-                raise _Miss(FetchReason.DEADLINE, "the deadline passed before the local write", entry_id)
-            published = self.local.adopt(data, objects)
-            if not published.ok:
-                raise _Miss(FetchReason.LOCAL_REFUSED, f"the local store refused entry {entry_id}: "
-                            f"{published.reason}: {published.detail}", entry_id)
-            nbytes = sum(len(o) for o in objects)
+            self._adopt(shard, manifest, data, cancelled)
+            nbytes = sum(r.size for r in manifest.objects)
             self.counts.add(FETCHED_BYTES, nbytes)
             self._mark_access(shard, entry_id)
             return FetchResult(FetchReason.HIT, entry_id, blocks, nbytes)
@@ -204,10 +201,23 @@ class Fetcher:
                         f"up to block {at}", entry_id)
         return manifest, data
 
-    def _objects(self, shard: RemoteShard, manifest: Manifest) -> list[bytearray]:
+    def _adopt(self, shard: RemoteShard, manifest: Manifest, data: bytes, cancelled: threading.Event) -> None:
+        """The manifest's objects GET a few at a time (``remote_feed``) and written into the local
+        store as they come, in order; the manifest placed only once every one is verified and
+        written. A miss leaves no entry locally."""
+        feed = ObjectFeed(shard.objects, manifest.objects, shard.objects.location.requests_in_flight, cancelled)
+        entry_id = manifest.entry_id
+        if cancelled.is_set():
+            raise _Miss(FetchReason.DEADLINE, "the deadline passed before the local write", entry_id)
+        feed.start()
         try:
-            return shard.objects.each(shard.objects.get, list(manifest.objects))
-        except ObjectError as exc:
+            published = self.local.adopt(data, feed.stream())
+        finally:
+            feed.close()
+        if published.ok:
+            return
+        exc = feed.error
+        if exc is not None:
             if exc.reason == Reason.CORRUPT:
                 try:
                     shard.objects.delete(exc.digest)
@@ -216,7 +226,12 @@ class Fetcher:
                     pass  # the bucket cannot be changed now: the next fetch that meets it tries again
             reason = {Reason.CORRUPT: FetchReason.CORRUPT, Reason.ABSENT: FetchReason.ABSENT}.get(
                 exc.reason, FetchReason.IO_ERROR)
-            raise _Miss(reason, str(exc), manifest.entry_id) from None
+            raise _Miss(reason, str(exc), entry_id)
+        if feed.stopped:
+            raise _Miss(FetchReason.DEADLINE, "the deadline passed during the local write; nothing of "
+                        "the entry is kept", entry_id)
+        raise _Miss(FetchReason.LOCAL_REFUSED, f"the local store refused entry {entry_id}: "
+                    f"{published.reason}: {published.detail}", entry_id)
 
     def _mark_access(self, shard: RemoteShard, entry_id: str) -> None:
         try:

@@ -32,7 +32,7 @@ never a credential (an S3 error document is cut to its code and message).
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 from .backend import ObjectError, ObjectStat, TempFiles, check_hash, hasher_for
@@ -208,6 +208,10 @@ class S3Backend:
             if isinstance(result, _Failed):
                 raise result.exc
         return results
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """``fn(*args)`` on one of the ``requests_in_flight`` threads that carry parallel requests."""
+        return self._threads().submit(fn, *args)
 
     def _threads(self) -> ThreadPoolExecutor:
         with self._pool_lock:

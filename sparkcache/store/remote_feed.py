@@ -1,0 +1,89 @@
+"""An entry's objects from the bucket, a few at a time, handed on in the manifest's order: what
+lets a fetch write an entry of any size into the local store through a bounded buffer.
+
+``ObjectFeed(backend, refs, in_flight, stop)`` is the source of a ``PageStream`` for
+``PageStore.adopt``:
+
+- every object is one GET through ``backend.get``, verified as any get is (the manifest's
+  XXH3-128, else the BLAKE3 name), ``in_flight`` at once on the backend's request threads;
+  ``start()`` sends the first ones before the publication asks (its local checks run beside them);
+- ``stream().chunks()`` yields the objects in order, each chunk the run of consecutive objects
+  that have arrived (at least the next one, waited for), so the local writes and hashing of one
+  chunk overlap the GETs of the next objects;
+- it holds at most ``held_at_most(in_flight)`` objects: the GETs go on only when the publication
+  asks for the next chunk (it reads a chunk only until then), refilled to ``in_flight``;
+- a GET that fails (``absent``, ``corrupt``, ``io_error``) or ``stop`` set (the fetch's deadline)
+  ends it: the GETs not begun are not made, and the stream raises ``PageSourceError``, so the
+  publication is refused before its manifest is placed; ``error`` keeps the ``ObjectError`` and
+  ``stopped`` says the deadline ended it, for the caller's miss.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Iterator, Sequence
+
+from .backend import ObjectError
+from .manifests import PageRef
+from .s3_backend import S3Backend
+from .streams import PageSourceError, PageStream
+
+
+def held_at_most(in_flight: int) -> int:
+    """The most objects a feed of ``in_flight`` requests holds at once: those in flight or
+    waiting their turn, and the chunk handed to the publication."""
+    return 2 * max(1, in_flight)
+
+
+class ObjectFeed:
+    """The objects ``refs`` of ``backend``, GET ``in_flight`` at a time (the module docstring)."""
+
+    def __init__(self, backend: S3Backend, refs: Sequence[PageRef], in_flight: int, stop: threading.Event) -> None:
+        self.backend, self.refs, self.stop = backend, list(refs), stop
+        self.in_flight = max(1, in_flight)
+        self.error: ObjectError | None = None
+        self.stopped = False
+        self._pending: deque[Future] = deque()
+        self._next = 0  # the next object to send a GET for
+
+    def stream(self) -> PageStream:
+        return PageStream(tuple(r.size for r in self.refs), self._chunks)
+
+    def start(self) -> None:
+        """Send the first ``in_flight`` GETs now."""
+        while self._next < len(self.refs) and len(self._pending) < self.in_flight:
+            self._pending.append(self.backend.submit(self.backend.get, self.refs[self._next]))
+            self._next += 1
+
+    def close(self) -> None:
+        """Cancel the GETs not begun (one begun ends by itself, its bytes dropped)."""
+        while self._pending:
+            self._pending.popleft().cancel()
+
+    def _chunks(self) -> Iterator[list[bytearray]]:
+        try:
+            while self._next < len(self.refs) or self._pending:
+                self.start()
+                chunk = [self._take()]
+                while self._pending and self._pending[0].done() and len(chunk) < self.in_flight:
+                    chunk.append(self._take())
+                yield chunk
+                del chunk  # the publication is done with it once it asks for the next
+        finally:
+            self.close()
+
+    def _take(self) -> bytearray:
+        if self.stop.is_set():
+            self.stopped = True
+            raise PageSourceError("the fetch's deadline passed (SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS): "
+                                  "nothing of the entry is kept")
+        try:
+            return self._pending.popleft().result()
+        except ObjectError as exc:
+            self.error = exc
+            raise PageSourceError(str(exc)) from None
+
+
+__all__ = ["ObjectFeed", "held_at_most"]

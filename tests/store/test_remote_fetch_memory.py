@@ -1,0 +1,43 @@
+"""A fetch from the shared tier holds a bounded number of an entry's objects in memory, not the
+whole entry: its objects are GET a few at a time and handed to the local publication in order as
+they come (``remote_feed.ObjectFeed``), on a real S3 server (SeaweedFS)."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+from remote_helpers import fresh_prefix, tier_of, two_stores
+from sparkcache.store import PageStore
+from sparkcache.store.remote_feed import held_at_most
+from store_helpers import IDENT
+
+PAGE = 512 << 10
+KEYS = [f"{i:06x}{'9e' * 13}" for i in range(4 * 40)]  # 40 pages of 4 blocks
+
+
+def test_a_fetch_holds_at_most_a_few_objects_of_a_larger_entry(seaweedfs, monkeypatch, tmp_path):
+    a, b = two_stores(tmp_path)
+    prefix = fresh_prefix()
+    up, down = tier_of(seaweedfs, monkeypatch, a, prefix), tier_of(seaweedfs, monkeypatch, b, prefix)
+    try:
+        published = a.publish(IDENT, KEYS, [os.urandom(PAGE) for _ in range(len(KEYS) // 4)])
+        assert published.ok, published
+        assert up.upload(published.entry_id) and up.uploads.wait_idle(60), up.uploads.last_error
+        entry_bytes = sum(r.size for r in a.entry(published.entry_id).manifest.objects)
+        in_flight = down.fetch_bucket.location.requests_in_flight
+        # the feed's objects, and what the client holds of the responses it is receiving
+        bound = (held_at_most(in_flight) + in_flight) * PAGE
+        assert entry_bytes > 3 * bound  # the entry is well past the bound
+        tracemalloc.start()
+        try:
+            result = down.fetch(IDENT, KEYS)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert result.hit and result.bytes_fetched == entry_bytes, result
+        assert peak <= bound, (peak, bound, entry_bytes)
+        assert PageStore.verify_root(str(tmp_path / "b")).ok
+    finally:
+        up.close()
+        down.close()
