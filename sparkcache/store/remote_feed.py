@@ -4,14 +4,18 @@ lets a fetch write an entry of any size into the local store through a bounded b
 ``ObjectFeed(backend, refs, in_flight, stop)`` is the source of a ``PageStream`` for
 ``PageStore.adopt``:
 
-- every object is one GET through ``backend.get``, verified as any get is (the manifest's
-  XXH3-128, else the BLAKE3 name), ``in_flight`` at once on the backend's request threads;
+- every object is one GET through ``backend.get_bytes``, verified as any get is (the manifest's
+  XXH3-128, else the BLAKE3 name), ``in_flight`` at once on the backend's request threads, then
+  hashed for the local store (``NewObject.of``: its BLAKE3 name and XXH3-128) on the publication
+  pool while the next GETs go, so the publication writes it without hashing it again (and
+  ``adopt`` checks every name against the manifest);
   ``start()`` sends the first ones before the publication asks (its local checks run beside them);
 - ``stream().chunks()`` yields the objects in order, each chunk the run of consecutive objects
   that have arrived (at least the next one, waited for), so the local writes and hashing of one
   chunk overlap the GETs of the next objects;
-- it holds at most ``held_at_most(in_flight)`` objects: the GETs go on only when the publication
-  asks for the next chunk (it reads a chunk only until then), refilled to ``in_flight``;
+- it holds at most ``held_at_most(in_flight)`` objects: ``in_flight`` GETs go on while the
+  publication writes the chunk it was handed (at most ``in_flight`` objects, read only until it
+  asks for the next: ``PageStream``'s contract, and the writer keeps no reference past it);
 - a GET that fails (``absent``, ``corrupt``, ``io_error``) or ``stop`` set (the fetch's deadline)
   ends it: the GETs not begun are not made, and the stream raises ``PageSourceError``, so the
   publication is refused before its manifest is placed; ``error`` keeps the ``ObjectError`` and
@@ -25,7 +29,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Iterator, Sequence
 
-from .backend import ObjectError
+from .backend import NewObject, ObjectError
+from .layout import submit
 from .manifests import PageRef
 from .s3_backend import S3Backend
 from .streams import PageSourceError, PageStream
@@ -33,7 +38,7 @@ from .streams import PageSourceError, PageStream
 
 def held_at_most(in_flight: int) -> int:
     """The most objects a feed of ``in_flight`` requests holds at once: those in flight or
-    waiting their turn, and the chunk handed to the publication."""
+    waiting their turn, and the chunk handed to the publication (at most as many)."""
     return 2 * max(1, in_flight)
 
 
@@ -54,7 +59,7 @@ class ObjectFeed:
     def start(self) -> None:
         """Send the first ``in_flight`` GETs now."""
         while self._next < len(self.refs) and len(self._pending) < self.in_flight:
-            self._pending.append(self.backend.submit(self.backend.get, self.refs[self._next]))
+            self._pending.append(self.backend.submit(self._get, self.refs[self._next]))
             self._next += 1
 
     def close(self) -> None:
@@ -62,25 +67,31 @@ class ObjectFeed:
         while self._pending:
             self._pending.popleft().cancel()
 
-    def _chunks(self) -> Iterator[list[bytearray]]:
+    def _get(self, ref: PageRef) -> Future:
+        """One object GET and verified, then hashed for the local store on the publication
+        pool (its name, BLAKE3, and its XXH3-128) while this thread sends the next GET."""
+        return submit(NewObject.of, self.backend.get_bytes(ref), pool="publish")
+
+    def _chunks(self) -> Iterator[list[NewObject]]:
         try:
-            while self._next < len(self.refs) or self._pending:
-                self.start()
+            self.start()
+            while self._pending:
                 chunk = [self._take()]
                 while self._pending and self._pending[0].done() and len(chunk) < self.in_flight:
                     chunk.append(self._take())
+                self.start()  # the next GETs go while the publication writes this chunk
                 yield chunk
                 del chunk  # the publication is done with it once it asks for the next
         finally:
             self.close()
 
-    def _take(self) -> bytearray:
+    def _take(self) -> NewObject:
         if self.stop.is_set():
             self.stopped = True
             raise PageSourceError("the fetch's deadline passed (SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS): "
                                   "nothing of the entry is kept")
         try:
-            return self._pending.popleft().result()
+            return self._pending.popleft().result().result()
         except ObjectError as exc:
             self.error = exc
             raise PageSourceError(str(exc)) from None

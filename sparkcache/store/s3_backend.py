@@ -6,7 +6,8 @@ one PUT (never a multipart upload: its parts and its weaker conditional semantic
 it stays (the first writer wins, nothing is rewritten), unless what is there is of another size:
 that is not the object, and it is replaced.
 
-- ``get``: one GET, the bytes streamed into one buffer and hashed as they come, then verified
+- ``get``: one GET, the bytes streamed into one buffer (``get_bytes``: the client's own when they
+  came in one piece) and hashed as they come, then verified
   exactly as the local backend verifies them (``backend.hasher_for`` / ``check_hash``): a missing
   or shorter object is ``absent``, wrong bytes or a longer one ``corrupt``, a failed request
   ``io_error``; each ``ObjectError`` names the key.
@@ -91,6 +92,12 @@ class S3Backend:
         return S3PutBatch(self)
 
     def get(self, ref: PageRef) -> bytearray:
+        data = self.get_bytes(ref)
+        return data if isinstance(data, bytearray) else bytearray(data)
+
+    def get_bytes(self, ref: PageRef) -> bytes | bytearray:
+        """``get``'s verified bytes without a copy when the response came in one piece (then
+        they are the client's read-only ``bytes``)."""
         key = self.location.key(ref.digest)
         where = self.location.where(key)
         try:
@@ -104,16 +111,21 @@ class S3Backend:
             raise ObjectError(Reason.ABSENT, ref.digest, f"truncated: {size} of {ref.size} bytes present", where)
         if size > ref.size:
             raise ObjectError(Reason.CORRUPT, ref.digest, f"{size} bytes, manifest records {ref.size}", where)
-        data, hasher, got = bytearray(ref.size), hasher_for(ref), 0
-        view = memoryview(data)
+        data: bytes | bytearray = b""  # the one chunk that is the whole object, or the chunks copied
+        hasher, got = hasher_for(ref), 0
         try:
             for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
                 n = len(chunk)
                 if got + n > ref.size:
                     raise ObjectError(Reason.CORRUPT, ref.digest, f"more than the {ref.size} bytes its "
                                       "manifest records came", where)
-                view[got:got + n] = chunk
-                hasher.update(view[got:got + n])
+                hasher.update(chunk)
+                if got == 0 and n == ref.size:
+                    data = chunk
+                else:
+                    if got == 0:
+                        data = bytearray(ref.size)
+                    memoryview(data)[got:got + n] = chunk
                 got += n
         except self._failures as exc:
             raise ObjectError(Reason.IO_ERROR, ref.digest, f"read failed at {got}/{ref.size}: {self.say(exc)}",
