@@ -4,11 +4,12 @@ lets a fetch write an entry of any size into the local store through a bounded b
 ``ObjectFeed(backend, refs, in_flight, stop)`` is the source of a ``PageStream`` for
 ``PageStore.adopt``:
 
-- every object is one GET through ``backend.get_bytes``, verified as any get is (the manifest's
-  XXH3-128, else the BLAKE3 name), ``in_flight`` at once on the backend's request threads, then
-  hashed for the local store (``NewObject.of``: its BLAKE3 name and XXH3-128) on the publication
-  pool while the next GETs go, so the publication writes it without hashing it again (and
-  ``adopt`` checks every name against the manifest);
+- every object is one GET through ``backend.get_bytes`` (its size checked), ``in_flight`` at
+  once on the backend's request threads, then hashed once on the publication pool while the next
+  GETs go: ``NewObject.of``, its BLAKE3 name and XXH3-128, what the local store names and records
+  it by, which verifies it too (``backend.check_named``: the name, and the XXH3-128 the manifest
+  records; more than a get's check, which is one of the two). The publication writes it without
+  hashing it again, and ``adopt`` checks every name against the manifest;
   ``start()`` sends the first ones before the publication asks (its local checks run beside them);
 - ``stream().chunks()`` yields the objects in order, each chunk the run of consecutive objects
   that have arrived (at least the next one, waited for), so the local writes and hashing of one
@@ -29,7 +30,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Iterator, Sequence
 
-from .backend import NewObject, ObjectError
+from .backend import NewObject, ObjectError, check_named
 from .layout import submit
 from .manifests import PageRef
 from .s3_backend import S3Backend
@@ -68,9 +69,16 @@ class ObjectFeed:
             self._pending.popleft().cancel()
 
     def _get(self, ref: PageRef) -> Future:
-        """One object GET and verified, then hashed for the local store on the publication
-        pool (its name, BLAKE3, and its XXH3-128) while this thread sends the next GET."""
-        return submit(NewObject.of, self.backend.get_bytes(ref), pool="publish")
+        """One object GET (its size checked), then hashed and verified on the publication pool
+        while this thread sends the next GET."""
+        return submit(self._verified, ref, self.backend.get_bytes(ref, hashed=False), pool="publish")
+
+    def _verified(self, ref: PageRef, data: bytes | bytearray) -> NewObject:
+        """``data`` hashed for the local store (``NewObject.of``: its BLAKE3 name and XXH3-128),
+        and verified by those: the name ``ref`` gives and the XXH3-128 its manifest records."""
+        made = NewObject.of(data)
+        check_named(ref, made.ref, self.backend.location.where(self.backend.location.key(ref.digest)))
+        return made
 
     def _chunks(self) -> Iterator[list[NewObject]]:
         try:

@@ -9,8 +9,9 @@
      (beside the next round); it must decode (else it is removed from the bucket: ``corrupt``),
      be of this identity (``wrong_identity``) and hold the prompt's block keys up to the pointer
      (``diverged``); a missing one is ``manifest_absent``;
-  3. its objects GET through the shard's ``S3Backend.get`` (verified exactly as a local read),
-     ``SPARKCACHE_REMOTE_REQUESTS_IN_FLIGHT`` at once, and handed in order, as they come, to the
+  3. its objects GET through the shard's ``S3Backend``, ``SPARKCACHE_REMOTE_REQUESTS_IN_FLIGHT``
+     at once, each hashed once for the local store and verified by that hash (its BLAKE3 name,
+     and the XXH3-128 the manifest records), and handed in order, as they come, to the
      local store's publication path (``adopt`` of a ``remote_feed.ObjectFeed``'s stream), so the
      local writes overlap the GETs and the fetch holds a few objects, never the whole entry; the
      manifest's bytes, as they were, are placed only once every object is verified and written.

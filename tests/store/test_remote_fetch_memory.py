@@ -1,14 +1,19 @@
 """A fetch from the shared tier holds a bounded number of an entry's objects in memory, not the
 whole entry: its objects are GET a few at a time and handed to the local publication in order as
-they come (``remote_feed.ObjectFeed``), on a real S3 server (SeaweedFS)."""
+they come (``remote_feed.ObjectFeed``), on a real S3 server (SeaweedFS); each is verified by the
+one hash it gets."""
 
 from __future__ import annotations
 
 import os
 import tracemalloc
 
+import pytest
+
 from remote_helpers import fresh_prefix, tier_of, two_stores
-from sparkcache.store import PageStore
+from sparkcache.store import PageStore, Reason
+from sparkcache.store.backend import NewObject, ObjectError, check_named
+from sparkcache.store.manifests import PageRef
 from sparkcache.store.remote_feed import held_at_most
 from store_helpers import IDENT
 
@@ -41,3 +46,17 @@ def test_a_fetch_holds_at_most_a_few_objects_of_a_larger_entry(seaweedfs, monkey
     finally:
         up.close()
         down.close()
+
+
+def test_an_object_hashed_once_is_verified_by_its_name_and_the_manifests_checksum():
+    """What the fetch checks each object by (``check_named``): the BLAKE3 name, and the XXH3-128
+    its manifest records; either wrong is ``corrupt``, naming the object."""
+    data = os.urandom(1000)
+    made = NewObject.of(data).ref
+    check_named(made, made)
+    check_named(PageRef(made.digest, made.size), made)  # no checksum recorded: the name alone
+    other = NewObject.of(data[:-1] + bytes([data[-1] ^ 1])).ref
+    for wanted in (PageRef(other.digest, other.size, made.checksum), PageRef(made.digest, made.size, other.checksum)):
+        with pytest.raises(ObjectError, match=wanted.digest) as caught:
+            check_named(wanted, made, "s3://b/k")
+        assert caught.value.reason is Reason.CORRUPT
