@@ -7,7 +7,7 @@ copies the next few into the same slot. ``PageStream`` says up front how large e
 is (so capacity is checked before anything is written) and hands the pages over chunk by
 chunk; a chunk's buffers are only read until the next chunk is asked for. A page may come
 hashed already, as a ``backend.NewObject`` that ``NewObject.of`` made (a fetch from the shared
-tier hashes each object on the publication pool as it arrives, beside the next GETs); it is
+tier hashes each object on the ``io`` pool as it arrives, beside the next GETs); it is
 written under that name as it is, and ``adopt`` still checks every name against the manifest.
 """
 
