@@ -6,10 +6,11 @@ lets a fetch write an entry of any size into the local store through a bounded b
 
 - every object is one GET through ``backend.get_bytes`` (its size checked), ``in_flight`` at
   once on the backend's request threads, then hashed once on the ``io`` pool (a restore's: the
-  request waits for a fetch as for a restore) while the next GETs go: ``NewObject.of``, its BLAKE3 name and XXH3-128, what the local store names and records
-  it by, which verifies it too (``backend.check_named``: the name, and the XXH3-128 the manifest
-  records; more than a get's check, which is one of the two). The publication writes it without
-  hashing it again, and ``adopt`` checks every name against the manifest;
+  request waits for a fetch as for a restore) while the next GETs go: ``NewObject.of``, its
+  BLAKE3 name and XXH3-128, what the local store names and records it by, which verifies it too
+  (``backend.check_named``: the name, and the XXH3-128 the manifest records; more than a get's
+  check, which is one of the two). The publication writes it without hashing it again, and
+  ``adopt`` checks every name against the manifest;
   ``start()`` sends the first ones before the publication asks (its local checks run beside them);
 - ``stream().chunks()`` yields the objects in order, each chunk the run of consecutive objects
   that have arrived (at least the next one, waited for), so the local writes and hashing of one

@@ -1,11 +1,13 @@
 """A fetch from the shared tier holds a bounded number of an entry's objects in memory, not the
 whole entry: its objects are GET a few at a time and handed to the local publication in order as
 they come (``remote_feed.ObjectFeed``), on a real S3 server (SeaweedFS); each is verified by the
-one hash it gets."""
+one hash it gets; a deadline that passes while the local write runs stops it, and no entry is
+left."""
 
 from __future__ import annotations
 
 import os
+import time
 import tracemalloc
 
 import pytest
@@ -14,6 +16,8 @@ from remote_helpers import fresh_prefix, tier_of, two_stores
 from sparkcache.store import PageStore, Reason
 from sparkcache.store.backend import NewObject, ObjectError, check_named
 from sparkcache.store.manifests import PageRef
+from sparkcache.store.remote_counts import FetchReason
+from sparkcache.store.streams import PageStream
 from sparkcache.store.remote_feed import held_at_most
 from store_helpers import IDENT
 
@@ -60,3 +64,48 @@ def test_an_object_hashed_once_is_verified_by_its_name_and_the_manifests_checksu
         with pytest.raises(ObjectError, match=wanted.digest) as caught:
             check_named(wanted, made, "s3://b/k")
         assert caught.value.reason is Reason.CORRUPT
+
+
+class _SlowLocal:
+    """A local store whose publication, once it has written the first chunk of a fetched entry,
+    stalls past the fetch's deadline before it asks for the next."""
+
+    def __init__(self, store: PageStore, stall_s: float) -> None:
+        self._store, self._stall_s = store, stall_s
+        self.namespace = store.namespace
+        self.results = []
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def adopt(self, data, stream: PageStream):
+        def chunks():
+            for n, chunk in enumerate(stream.chunks()):
+                if n == 1:
+                    time.sleep(self._stall_s)
+                yield chunk
+
+        result = self._store.adopt(data, PageStream(stream.sizes, chunks))
+        self.results.append(result)
+        return result
+
+
+def test_a_deadline_during_the_local_write_stops_it_and_leaves_no_entry(seaweedfs, monkeypatch, tmp_path):
+    a, b = two_stores(tmp_path)
+    prefix = fresh_prefix()
+    slow = _SlowLocal(b, stall_s=1.5)
+    up, down = tier_of(seaweedfs, monkeypatch, a, prefix), tier_of(seaweedfs, monkeypatch, slow, prefix, deadline_s=1.0)
+    try:
+        published = a.publish(IDENT, KEYS, [os.urandom(PAGE) for _ in range(len(KEYS) // 4)])
+        assert up.upload(published.entry_id) and up.uploads.wait_idle(60), up.uploads.last_error
+        result = down.fetch(IDENT, KEYS)
+        assert result.reason is FetchReason.DEADLINE, result
+        deadline = time.monotonic() + 10
+        while not slow.results and time.monotonic() < deadline:
+            time.sleep(0.05)  # the abandoned worker's publication ends at the next object it takes
+        assert slow.results and slow.results[0].reason is Reason.SOURCE_FAILED, slow.results
+        assert b.entry(published.entry_id) is None and b.entries() == []
+        assert PageStore.verify_root(str(tmp_path / "b")).ok
+    finally:
+        up.close()
+        down.close()
