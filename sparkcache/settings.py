@@ -305,8 +305,10 @@ SETTINGS_TABLE: tuple[SettingRow, ...] = (
     SettingRow("REMOTE_RETRIES", "int", 2, "Retries of a remote request that failed to connect, "
                "timed out or met a server error (5xx), with exponential backoff, within "
                "REMOTE_TIMEOUT_SECONDS.", minimum=0, maximum=10),
-    SettingRow("REMOTE_REQUESTS_IN_FLIGHT", "int", 4, "Remote requests one batch of puts or one "
-               "batch exists keeps in flight at once.", minimum=1, maximum=64),
+    SettingRow("REMOTE_REQUESTS_IN_FLIGHT", "int", 4, "Remote requests one batch of puts, one "
+               "batch exists, one round of a fetch's pointer search or a fetch's object GETs keep "
+               "in flight at once (a fetch holds at most twice as many objects in memory).",
+               minimum=1, maximum=64),
     SettingRow("REMOTE_UPLOAD_QUEUE_BYTES", "bytes", 8 * _GiB, "Bound on the object bytes of the "
                "entries waiting for their upload to the remote store (sparkcache.store.remote_tier); "
                "an entry that would pass it is not uploaded (counted as skipped).",

@@ -84,6 +84,15 @@ def check_hash(ref: PageRef, hexdigest: str, where: str = "") -> None:
     check_checksum(ref, hexdigest, where)
 
 
+def check_named(ref: PageRef, made: PageRef, where: str = "") -> None:
+    """``corrupt`` unless ``made`` (what ``NewObject.of`` found of some bytes: their BLAKE3
+    and XXH3-128) is the object ``ref`` names, with the XXH3-128 its manifest records if any:
+    the check of bytes hashed whole anyway, in place of ``hasher_for``'s."""
+    if made.digest != ref.digest or made.size != ref.size:
+        raise ObjectError(Reason.CORRUPT, ref.digest, "bytes do not match their BLAKE3 name", where)
+    check_checksum(ref, made.checksum or "", where)
+
+
 def check_checksum(ref: PageRef, checksum: str, where: str = "") -> None:
     """``corrupt`` when ``ref`` records an XXH3-128 and ``checksum`` is another."""
     if ref.checksum is not None and checksum != ref.checksum:

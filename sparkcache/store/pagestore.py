@@ -207,23 +207,25 @@ class PageStore:
 
         return self._write_entry(idd, entry_id, keys, stream, reused_refs, manifest_of, pace, started)
 
-    def adopt(self, data: bytes, objects: Sequence[bytes | bytearray | memoryview]) -> PublishResult:
+    def adopt(self, data: bytes, objects: Sequence[bytes | bytearray | memoryview] | PageStream) -> PublishResult:
         """Publish an entry as another store published it: ``data``, its manifest file's bytes
         (kept verbatim), and ``objects``, the bytes of every object it names (``Manifest.objects``
-        order: its pages, then its state). It goes the way ``publish`` goes (the cap, the
-        free-space floor, the writer's crash-safe order, the journal), so the entry, its objects
-        and its manifest are what a publication here would have made. ``ManifestError`` for
-        ``data`` that does not decode; an object whose bytes are not what the manifest records
-        refuses the publication (``corrupt``) before its manifest is placed."""
+        order: its pages, then its state), in memory or as a ``PageStream`` (a chunk at a time,
+        as a fetch from the shared tier hands them while it GETs the next ones; a source that
+        fails refuses the publication with ``source_failed``). It goes the way ``publish`` goes
+        (the cap, the free-space floor, the writer's crash-safe order, the journal), so the
+        entry, its objects and its manifest are what a publication here would have made.
+        ``ManifestError`` for ``data`` that does not decode; an object whose bytes are not what
+        the manifest records refuses the publication (``corrupt``) before its manifest is placed."""
         if self.read_only:
             raise PermissionError(f"{self.layout.base}: opened read-only; adopting an entry needs a writer")
         started = time.monotonic()
         manifest = decode(data)
         wanted = manifest.objects
-        if len(objects) != len(wanted):
-            raise ValueError(f"adopt {manifest.entry_id}: {len(objects)} objects given, its manifest "
+        stream = objects if isinstance(objects, PageStream) else PageStream.of(list(objects))
+        if len(stream.sizes) != len(wanted):
+            raise ValueError(f"adopt {manifest.entry_id}: {len(stream.sizes)} objects given, its manifest "
                              f"names {len(wanted)}; pass its pages, then its state")
-        stream = PageStream.of(list(objects))
         entry_id, idd = manifest.entry_id, manifest.identity_digest
         with self._mutex:
             self.catalog.refresh()

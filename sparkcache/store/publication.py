@@ -54,17 +54,19 @@ class PublicationWriter:
 
     def write_pages(self, stream: PageStream, reused: dict[int, PageRef]) -> list[PageRef]:
         """Hash and put the pages of ``stream`` a chunk at a time (a page given as None:
-        the ``reused`` ref at that index). Returns the manifest's page refs in order. The
+        the ``reused`` ref at that index; one given hashed, a ``NewObject``, as it is). Returns
+        the manifest's page refs in order. The
         batch's last round is left for ``commit``. A chunk's buffers are done with before the
         next chunk is asked for: the batch's ``add`` copies them (into the page cache)."""
         self._declare_reused(list(reused.values()))
         refs: list[PageRef | None] = [reused.get(i) for i in range(len(stream.sizes))]
         seen: set[str] = set()
         for chunk in stream.checked_chunks():
-            views = [page for _, page in chunk]
+            views = [page for _, page in chunk if not isinstance(page, NewObject)]
             big = sum(map(len, views)) > _PARALLEL_HASH_BYTES
-            made: Iterator[NewObject] = (parallel_imap(NewObject.of, views, "publish") if big
-                                         else map(NewObject.of, views))
+            hashed: Iterator[NewObject] = (parallel_imap(NewObject.of, views, "publish") if big
+                                           else map(NewObject.of, views))
+            made = (page if isinstance(page, NewObject) else next(hashed) for _, page in chunk)
             for (i, _), obj in zip(chunk, made):
                 refs[i] = obj.ref
                 if obj.ref.digest in seen:
@@ -73,6 +75,7 @@ class PublicationWriter:
                 self.pace()
                 if self._claim(obj.ref):
                     self.batch.add(obj)
+            chunk = views = hashed = made = obj = None  # nothing of a chunk is held while the next is asked for
         done = [r for r in refs if r is not None]
         if len(done) != len(refs):  # checked_chunks and the reused refs cover every index
             raise PageSourceError(f"pages {[i for i, r in enumerate(refs) if r is None]} were never given")

@@ -1,29 +1,37 @@
 """A fetch from the shared tier after a local miss: find, verify, write locally, or miss.
 
-  1. the pointer search: the prompt's indexed block keys (``strides``) are asked by bisection for
-     the deepest pointer present (one GET each, about log2(N / STRIDE)); a pointer found absent is
-     not asked again for ``negative_s`` seconds;
-  2. one GET of the manifest the pointer names; it must decode (else it is removed from the
-     bucket: ``corrupt``), be of this identity (``wrong_identity``) and hold the prompt's block
-     keys up to the pointer (``diverged``); a missing one is ``manifest_absent``;
-  3. every object it names GET through the shard's ``S3Backend.get`` (verified exactly as a local
-     read); one missing or short is ``absent``; one with wrong bytes is removed from the bucket
-     (the next upload of its entry puts it back) and the fetch is ``corrupt``;
-  4. the entry written into the local store through its publication path (``adopt``), the
-     manifest's bytes as they were;
-  5. the entry's access mark PUT.
+  1. the pointer search: the prompt's indexed block keys (``strides``) are asked for the deepest
+     pointer present, ``SPARKCACHE_REMOTE_REQUESTS_IN_FLIGHT`` GETs at once a round
+     (``deepest_indexed_rounds``: a prompt stored whole is found in one round, any other in about
+     log(N / STRIDE) / log(k + 1)); a pointer found absent is not asked again for ``negative_s``
+     seconds;
+  2. the manifest the deepest pointer found so far names is GET as soon as a round finds it
+     (beside the next round); it must decode (else it is removed from the bucket: ``corrupt``),
+     be of this identity (``wrong_identity``) and hold the prompt's block keys up to the pointer
+     (``diverged``); a missing one is ``manifest_absent``;
+  3. its objects GET through the shard's ``S3Backend``, ``SPARKCACHE_REMOTE_REQUESTS_IN_FLIGHT``
+     at once, each hashed once for the local store and verified by that hash (its BLAKE3 name,
+     and the XXH3-128 the manifest records), and handed in order, as they come, to the
+     local store's publication path (``adopt`` of a ``remote_feed.ObjectFeed``'s stream), so the
+     local writes overlap the GETs and the fetch holds a few objects, never the whole entry; the
+     manifest's bytes, as they were, are placed only once every object is verified and written.
+     One missing or short is ``absent``; one with wrong bytes is removed from the bucket (the
+     next upload of its entry puts it back) and the fetch is ``corrupt``; either leaves no entry;
+  4. the entry's access mark PUT on a thread of its own once the entry is local, not waited for
+     (a mark that fails or is never sent leaves the entry dated by its last mark or its manifest).
 It runs on a worker thread; the caller waits until the deadline, and past it returns a miss
-(``deadline``) while the worker is told to write nothing locally (a worker already writing when
-the deadline passes finishes that publication: the entry then appears whole, never in part). The
-bucket given is one whose requests are bounded by the deadline too, so an abandoned worker ends
-soon after it. Every failure is a miss with its reason, counted; nothing raises.
+(``deadline``) while the worker is told to write nothing more locally: its publication stops at
+the next object it takes and leaves no entry (one that has taken every object finishes: the entry
+then appears whole, never in part). The bucket given is one whose requests are bounded by the
+deadline too, so an abandoned worker ends soon after it. Every failure is a miss with its
+reason, counted; nothing raises.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout, wait
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,8 +44,9 @@ from .reasons import Reason
 from .remote_bucket import RemoteBucket, RemoteShard
 from .remote_counts import (CORRUPT_REMOVED, DEADLINE_EXCEEDED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, FetchReason,
                             RemoteCounts)
+from .remote_feed import ObjectFeed
 from .remote_push import LocalEntries
-from .strides import deepest_indexed
+from .strides import deepest_indexed_rounds
 
 _NEGATIVE_ENTRIES = 4096  # pointers remembered absent at most (the oldest forgotten first)
 _POINTER_BYTES = 64  # a pointer's body is an entry id (40 hex); a longer one is not ours
@@ -102,9 +111,15 @@ class Fetcher:
         self.negative = NegativeCache(negative_s)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sparkcache-fetch",
                                         initializer=cpus.run_on_every_allowed_cpu)
+        self._marks = ThreadPoolExecutor(1, thread_name_prefix="sparkcache-fetch-mark")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._marks.shutdown(wait=False, cancel_futures=True)  # a mark not sent is harmless
+
+    def marks_sent(self, timeout_s: float) -> bool:
+        """Wait until the access marks asked so far were sent (or failed); False past ``timeout_s``."""
+        return not wait([self._marks.submit(lambda: None)], timeout=timeout_s).not_done
 
     def fetch(self, identity: Identity, block_hashes: Sequence[BlockHash],
               deadline_s: float | None = None) -> FetchResult:
@@ -136,21 +151,16 @@ class Fetcher:
             if not keys:
                 raise _Miss(FetchReason.NOT_FOUND, "no block keys asked")
             shard = self.bucket.shard(self.local.namespace, identity.digest())
-            at, entry_id = self._deepest_pointer(shard, keys)
-            manifest, data = self._manifest(shard, identity, keys, at, entry_id)
+            at, entry_id, manifest_get = self._deepest_pointer(shard, keys)
+            data = manifest_get.result()
+            manifest = self._manifest(shard, identity, keys, at, entry_id, data)
             blocks = _common_prefix(manifest.block_keys, keys)
             if self.local.entry(entry_id) is not None:
                 return FetchResult(FetchReason.HIT, entry_id, blocks, 0, "held locally already")
-            objects = self._objects(shard, manifest)
-            if cancelled.is_set():
-                raise _Miss(FetchReason.DEADLINE, "the deadline passed before the local write", entry_id)
-            published = self.local.adopt(data, objects)
-            if not published.ok:
-                raise _Miss(FetchReason.LOCAL_REFUSED, f"the local store refused entry {entry_id}: "
-                            f"{published.reason}: {published.detail}", entry_id)
-            nbytes = sum(len(o) for o in objects)
+            self._adopt(shard, manifest, data, cancelled)
+            nbytes = sum(r.size for r in manifest.objects)
             self.counts.add(FETCHED_BYTES, nbytes)
-            self._mark_access(shard, entry_id)
+            self._mark_later(shard, entry_id)
             return FetchResult(FetchReason.HIT, entry_id, blocks, nbytes)
         except _Miss as miss:
             return FetchResult(miss.reason, miss.entry_id, detail=miss.detail)
@@ -159,9 +169,13 @@ class Fetcher:
         except Exception as exc:  # noqa: BLE001 - a fetch never raises: anything else is a miss too
             return FetchResult(FetchReason.IO_ERROR, detail=f"{type(exc).__name__}: {exc}")
 
-    def _deepest_pointer(self, shard: RemoteShard, keys: list[str]) -> tuple[int, str]:
-        """The deepest indexed position whose pointer is present, and the entry it names."""
+    def _deepest_pointer(self, shard: RemoteShard, keys: list[str]) -> tuple[int, str, Future]:
+        """The deepest indexed position whose pointer is present, the entry it names, and the GET
+        of that entry's manifest: the pointers asked ``requests_in_flight`` at once a round
+        (``strides.deepest_indexed_rounds``), and the manifest of the deepest one found so far
+        GET as soon as a round finds it (most prompts' pointers all name one entry)."""
         named: dict[int, str] = {}
+        manifests: dict[str, Future] = {}
 
         def stored(p: int) -> bool:
             key = shard.keys.pointer_key(keys[p])
@@ -175,16 +189,26 @@ class Fetcher:
             named[p] = entry_id
             return True
 
-        at = deepest_indexed(len(keys), stored)
+        def stored_many(positions: list[int]) -> list[bool]:
+            answers = shard.objects.each(stored, positions)
+            deepest = max((p for p, yes in zip(positions, answers) if yes), default=None)
+            if deepest is not None and named[deepest] not in manifests:
+                manifests[named[deepest]] = shard.objects.submit(self._manifest_get, shard, named[deepest])
+            return answers
+
+        at = deepest_indexed_rounds(len(keys), stored_many, shard.objects.location.requests_in_flight)
         if at < 0:
             raise _Miss(FetchReason.NOT_FOUND, f"no pointer to the prompt's first block under {shard.keys.base}")
-        return at, named[at]
+        return at, named[at], manifests[named[at]]
+
+    def _manifest_get(self, shard: RemoteShard, entry_id: str) -> bytes | None:
+        return shard.plain.get(shard.keys.manifest_key(entry_id), MAX_MANIFEST_BYTES)
 
     def _manifest(self, shard: RemoteShard, identity: Identity, keys: list[str], at: int,
-                  entry_id: str) -> tuple[Manifest, bytes]:
+                  entry_id: str, data: bytes | None) -> Manifest:
+        """``data``, the manifest the pointer at ``at`` names (None: absent), decoded and checked."""
         key = shard.keys.manifest_key(entry_id)
         where = shard.plain.location.where(key)
-        data = shard.plain.get(key, MAX_MANIFEST_BYTES)
         if data is None:
             raise _Miss(FetchReason.MANIFEST_ABSENT, f"the pointer names entry {entry_id}, whose manifest "
                         f"{where} is not there", entry_id)
@@ -202,12 +226,25 @@ class Fetcher:
         if manifest.block_keys[: at + 1] != tuple(keys[: at + 1]):
             raise _Miss(FetchReason.DIVERGED, f"manifest {where}: its block keys are not the prompt's "
                         f"up to block {at}", entry_id)
-        return manifest, data
+        return manifest
 
-    def _objects(self, shard: RemoteShard, manifest: Manifest) -> list[bytearray]:
+    def _adopt(self, shard: RemoteShard, manifest: Manifest, data: bytes, cancelled: threading.Event) -> None:
+        """The manifest's objects GET a few at a time (``remote_feed``) and written into the local
+        store as they come, in order; the manifest placed only once every one is verified and
+        written. A miss leaves no entry locally."""
+        feed = ObjectFeed(shard.objects, manifest.objects, shard.objects.location.requests_in_flight, cancelled)
+        entry_id = manifest.entry_id
+        if cancelled.is_set():
+            raise _Miss(FetchReason.DEADLINE, "the deadline passed before the local write", entry_id)
+        feed.start()
         try:
-            return shard.objects.each(shard.objects.get, list(manifest.objects))
-        except ObjectError as exc:
+            published = self.local.adopt(data, feed.stream())
+        finally:
+            feed.close()
+        if published.ok:
+            return
+        exc = feed.error
+        if exc is not None:
             if exc.reason == Reason.CORRUPT:
                 try:
                     shard.objects.delete(exc.digest)
@@ -216,7 +253,19 @@ class Fetcher:
                     pass  # the bucket cannot be changed now: the next fetch that meets it tries again
             reason = {Reason.CORRUPT: FetchReason.CORRUPT, Reason.ABSENT: FetchReason.ABSENT}.get(
                 exc.reason, FetchReason.IO_ERROR)
-            raise _Miss(reason, str(exc), manifest.entry_id) from None
+            raise _Miss(reason, str(exc), entry_id)
+        if feed.stopped:
+            raise _Miss(FetchReason.DEADLINE, "the deadline passed during the local write; nothing of "
+                        "the entry is kept", entry_id)
+        raise _Miss(FetchReason.LOCAL_REFUSED, f"the local store refused entry {entry_id}: "
+                    f"{published.reason}: {published.detail}", entry_id)
+
+    def _mark_later(self, shard: RemoteShard, entry_id: str) -> None:
+        """The entry's access mark PUT on the mark thread; the fetch does not wait for it."""
+        try:
+            self._marks.submit(self._mark_access, shard, entry_id)
+        except RuntimeError:
+            pass  # the tier is closing: the mark is not sent (harmless, as a failed one)
 
     def _mark_access(self, shard: RemoteShard, entry_id: str) -> None:
         try:

@@ -24,6 +24,7 @@ from .manifests import Manifest, ManifestError, PageRef
 from .reasons import Reason
 from .remote_bucket import RemoteBucket
 from .remote_keys import pointer_positions
+from .streams import PageStream
 
 
 class LocalEntries(Protocol):
@@ -37,7 +38,7 @@ class LocalEntries(Protocol):
 
     def entry(self, entry_id: str): ...
 
-    def adopt(self, data: bytes, objects: Sequence[bytearray]): ...
+    def adopt(self, data: bytes, objects: Sequence[bytearray] | PageStream): ...
 
 
 class EntryGone(Exception):

@@ -6,7 +6,8 @@ one PUT (never a multipart upload: its parts and its weaker conditional semantic
 it stays (the first writer wins, nothing is rewritten), unless what is there is of another size:
 that is not the object, and it is replaced.
 
-- ``get``: one GET, the bytes streamed into one buffer and hashed as they come, then verified
+- ``get``: one GET, the bytes streamed into one buffer (``get_bytes``: the client's own when they
+  came in one piece) and hashed as they come, then verified
   exactly as the local backend verifies them (``backend.hasher_for`` / ``check_hash``): a missing
   or shorter object is ``absent``, wrong bytes or a longer one ``corrupt``, a failed request
   ``io_error``; each ``ObjectError`` names the key.
@@ -32,7 +33,7 @@ never a credential (an S3 error document is cut to its code and message).
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 from .backend import ObjectError, ObjectStat, TempFiles, check_hash, hasher_for
@@ -91,6 +92,14 @@ class S3Backend:
         return S3PutBatch(self)
 
     def get(self, ref: PageRef) -> bytearray:
+        data = self.get_bytes(ref)
+        return data if isinstance(data, bytearray) else bytearray(data)
+
+    def get_bytes(self, ref: PageRef, *, hashed: bool = True) -> bytes | bytearray:
+        """``get``'s verified bytes without a copy when the response came in one piece (then
+        they are the client's read-only ``bytes``). ``hashed=False``: only their size is
+        checked here, for a caller that hashes them whole anyway and checks them itself (the
+        tier's fetch: ``NewObject.of`` for the local store, then ``check_named``)."""
         key = self.location.key(ref.digest)
         where = self.location.where(key)
         try:
@@ -104,23 +113,30 @@ class S3Backend:
             raise ObjectError(Reason.ABSENT, ref.digest, f"truncated: {size} of {ref.size} bytes present", where)
         if size > ref.size:
             raise ObjectError(Reason.CORRUPT, ref.digest, f"{size} bytes, manifest records {ref.size}", where)
-        data, hasher, got = bytearray(ref.size), hasher_for(ref), 0
-        view = memoryview(data)
+        data: bytes | bytearray = b""  # the one chunk that is the whole object, or the chunks copied
+        hasher, got = (hasher_for(ref) if hashed else None), 0
         try:
             for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
                 n = len(chunk)
                 if got + n > ref.size:
                     raise ObjectError(Reason.CORRUPT, ref.digest, f"more than the {ref.size} bytes its "
                                       "manifest records came", where)
-                view[got:got + n] = chunk
-                hasher.update(view[got:got + n])
+                if hasher is not None:
+                    hasher.update(chunk)
+                if got == 0 and n == ref.size:
+                    data = chunk
+                else:
+                    if got == 0:
+                        data = bytearray(ref.size)
+                    memoryview(data)[got:got + n] = chunk
                 got += n
         except self._failures as exc:
             raise ObjectError(Reason.IO_ERROR, ref.digest, f"read failed at {got}/{ref.size}: {self.say(exc)}",
                               where) from None
         if got < ref.size:
             raise ObjectError(Reason.ABSENT, ref.digest, f"truncated while reading at {got}/{ref.size}", where)
-        check_hash(ref, hasher.hexdigest(), where)
+        if hasher is not None:
+            check_hash(ref, hasher.hexdigest(), where)
         return data
 
     def list(self, prefix: str = "") -> list[ObjectStat]:
@@ -208,6 +224,10 @@ class S3Backend:
             if isinstance(result, _Failed):
                 raise result.exc
         return results
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """``fn(*args)`` on one of the ``requests_in_flight`` threads that carry parallel requests."""
+        return self._threads().submit(fn, *args)
 
     def _threads(self) -> ThreadPoolExecutor:
         with self._pool_lock:

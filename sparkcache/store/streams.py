@@ -5,7 +5,10 @@ A capture that streams copies a few pages out of the KV cache into its slot, the
 hashes and writes them (``write_all`` copies them into the page cache), then the capture
 copies the next few into the same slot. ``PageStream`` says up front how large every page
 is (so capacity is checked before anything is written) and hands the pages over chunk by
-chunk; a chunk's buffers are only read until the next chunk is asked for.
+chunk; a chunk's buffers are only read until the next chunk is asked for. A page may come
+hashed already, as a ``backend.NewObject`` that ``NewObject.of`` made (a fetch from the shared
+tier hashes each object on the ``io`` pool as it arrives, beside the next GETs); it is
+written under that name as it is, and ``adopt`` still checks every name against the manifest.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
+from .backend import NewObject
 from .buffers import byte_view
 
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview | NewObject
 
 
 class PageSourceError(Exception):
@@ -50,21 +54,23 @@ class PageStream:
     def given_bytes(self) -> int:
         return sum(s for s in self.sizes if s is not None)
 
-    def checked_chunks(self) -> Iterator[list[tuple[int, memoryview]]]:
-        """Each chunk as (index, bytes) of its pages, checked against ``sizes``: a page of
-        another size, one too many or one missing is a ``PageSourceError``."""
+    def checked_chunks(self) -> Iterator[list[tuple[int, memoryview | NewObject]]]:
+        """Each chunk as (index, bytes or hashed object) of its pages, checked against
+        ``sizes``: a page of another size, one too many or one missing is a ``PageSourceError``."""
         wanted = iter([i for i, s in enumerate(self.sizes) if s is not None])
         for chunk in self.chunks():
             out = []
             for page in chunk:
                 i = next(wanted, None)
-                view = byte_view(page, "page" if i is None else f"page {i}")
-                if i is None or len(view) != self.sizes[i]:
-                    raise PageSourceError(f"the stream gave a page of {len(view)} bytes where "
+                view = page if isinstance(page, NewObject) else byte_view(page, "page" if i is None else f"page {i}")
+                n = view.ref.size if isinstance(view, NewObject) else len(view)
+                if i is None or n != self.sizes[i]:
+                    raise PageSourceError(f"the stream gave a page of {n} bytes where "
                                           + ("it declared no more pages" if i is None else
                                              f"page {i} was declared {self.sizes[i]} bytes"))
                 out.append((i, view))
             yield out
+            out = view = page = chunk = None  # nothing of a chunk is held while the next is asked for
         missing = next(wanted, None)
         if missing is not None:
             raise PageSourceError(f"the stream ended before page {missing} of {len(self.sizes)}")

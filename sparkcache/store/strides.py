@@ -39,4 +39,27 @@ def deepest_indexed(n: int, stored: Callable[[int], bool]) -> int:
     return at(lo)
 
 
-__all__ = ["STRIDE", "deepest_indexed", "indexed_positions"]
+def deepest_indexed_rounds(n: int, stored_many: Callable[[list[int]], list[bool]], k: int) -> int:
+    """``deepest_indexed``, asking up to ``k`` positions a round (``stored_many`` asks them at
+    once and answers each): the same answer where what is stored is prefix-closed, in about
+    log(n / STRIDE) / log(k + 1) rounds, and never a position found not stored. The first round
+    asks the first position (nothing is stored without it), the last (a prompt stored whole is
+    found in that one round) and ``k - 2`` between; each later one splits what is left into
+    ``k + 1`` parts. ``k`` of 1 is ``deepest_indexed``'s bisection."""
+    if k <= 1:
+        return deepest_indexed(n, lambda p: stored_many([p])[0])
+    positions = indexed_positions(n) if n > 0 else []
+    lo, hi = -1, len(positions)  # positions[lo] is stored (-1: none known); positions[hi] is not
+    while hi - lo > 1:
+        if lo < 0 and hi == len(positions):
+            probes = sorted({0, hi - 1, *(round(j * (hi - 1) / (k - 1)) for j in range(1, k - 1))})
+        else:
+            probes = sorted({lo + round(j * (hi - lo) / (k + 1)) for j in range(1, k + 1)} - {lo, hi})
+        answers = stored_many([positions[i] for i in probes])
+        absent = [i for i, yes in zip(probes, answers) if not yes]
+        hi = min(absent, default=hi)
+        lo = max((i for i, yes in zip(probes, answers) if yes and i < hi), default=lo)
+    return positions[lo] if lo >= 0 else -1
+
+
+__all__ = ["STRIDE", "deepest_indexed", "deepest_indexed_rounds", "indexed_positions"]

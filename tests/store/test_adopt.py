@@ -8,6 +8,7 @@ import pytest
 
 from sparkcache.store import PageStore, Reason
 from sparkcache.store.manifests import ManifestError
+from sparkcache.store.streams import PageSourceError, PageStream
 from store_helpers import IDENT, conv_keys, conv_pages, open_store
 
 
@@ -45,3 +46,25 @@ def test_an_object_that_is_not_the_manifests_is_refused_and_no_entry_appears(tmp
         b.adopt(data, objects[:2])
     with pytest.raises(ManifestError):
         b.adopt(data[:-1], objects)
+
+
+def test_an_entry_adopted_from_a_stream_and_a_stream_that_fails_midway(tmp_path):
+    """Objects handed a chunk at a time (as a fetch hands them while it GETs the next): the same
+    entry; a source that fails after some objects were written leaves no entry."""
+    a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    entry_id = _published(a)
+    manifest, data = a.manifest_bytes(entry_id)
+    objects = a.read_pages(manifest.objects)
+    sizes = tuple(len(o) for o in objects)
+
+    def failing():
+        yield objects[:1]
+        raise PageSourceError("the source failed after one object")
+
+    result = b.adopt(data, PageStream(sizes, failing))
+    assert not result.ok and result.reason is Reason.SOURCE_FAILED, result
+    assert b.entry(entry_id) is None and PageStore.verify_root(str(tmp_path / "b")).ok
+    result = b.adopt(data, PageStream(sizes, lambda: ([o] for o in objects)))
+    assert result.ok and result.entry_id == entry_id, result
+    assert b.manifest_bytes(entry_id)[1] == data and b.read_pages(manifest.objects) == objects
+    assert PageStore.verify_root(str(tmp_path / "b")).ok

@@ -308,6 +308,7 @@ def test_the_tiers_own_uploads_and_fetches_then_a_pass_leave_every_fetch_a_hit_o
         assert up.upload(y) and up.uploads.wait_idle(60), up.uploads.last_error
         tick()
         assert mid.fetch(IDENT, keys).hit
+        assert mid.fetcher.marks_sent(10)  # x2 is the most recently accessed (its mark is PUT after the fetch)
         location = S3Location(seaweedfs.endpoint.bucket, prefix, seaweedfs.endpoint.url)
         used = sum(size for key, size in remote_keys_of(seaweedfs, prefix).items() if "/objects/" in key)
         report = sweep(location, "default", used - 2 * 3000, GRACE_S)

@@ -4,6 +4,7 @@ random sets of pointers present, the counts and their metric declarations."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -15,7 +16,7 @@ from sparkcache.store.remote_counts import (COUNT_KEYS, SKIP_KEYS, UPLOAD_FAILUR
                                             UploadSkip)
 from sparkcache.store.remote_push import EntryGone, Pushed
 from sparkcache.store.remote_upload import UploadJob, UploadQueue
-from sparkcache.store.strides import STRIDE, deepest_indexed, indexed_positions
+from sparkcache.store.strides import STRIDE, deepest_indexed, deepest_indexed_rounds, indexed_positions
 
 
 def _job(n: int, nbytes: int = 100, idd: str = "0" * 32) -> UploadJob:
@@ -133,4 +134,35 @@ def test_the_bisection_never_claims_a_pointer_that_is_not_there(n, chosen):
     positions = indexed_positions(n)
     stored = {positions[i] for i in chosen if i < len(positions)}
     found = deepest_indexed(n, lambda p: p in stored)
+    assert found == -1 or found in stored
+
+
+@given(st.integers(min_value=1, max_value=40 * STRIDE), st.integers(min_value=0, max_value=60),
+       st.integers(min_value=1, max_value=8))
+def test_the_k_ary_search_finds_the_deepest_pointer_in_few_rounds(n, present, k):
+    positions = indexed_positions(n)
+    stored = set(positions[:present])
+    rounds = []
+
+    def ask(ps):
+        assert len(ps) <= k and len(set(ps)) == len(ps)
+        rounds.append(ps)
+        return [p in stored for p in ps]
+
+    found = deepest_indexed_rounds(n, ask, k)
+    assert found == (max(stored) if stored else -1)
+    if k == 1:
+        assert len(rounds) <= 2 + len(positions).bit_length()  # the bisection's
+    else:
+        assert len(rounds) <= 1 + math.ceil(math.log(len(positions)) / math.log(k + 1))
+    if k > 1 and present >= len(positions):
+        assert len(rounds) == 1  # a prompt stored whole: found in the first round
+
+
+@given(st.integers(min_value=1, max_value=20 * STRIDE), st.sets(st.integers(min_value=0, max_value=25)),
+       st.integers(min_value=1, max_value=8))
+def test_the_k_ary_search_never_claims_a_pointer_that_is_not_there(n, chosen, k):
+    positions = indexed_positions(n)
+    stored = {positions[i] for i in chosen if i < len(positions)}
+    found = deepest_indexed_rounds(n, lambda ps: [p in stored for p in ps], k)
     assert found == -1 or found in stored

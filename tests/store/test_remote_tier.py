@@ -65,6 +65,7 @@ def test_an_uploaded_entry_is_fetched_byte_for_byte_into_an_empty_store(pair, se
     assert result.hit and result.entry_id == entry_id and result.blocks == len(keys), result
     _same_entry(pair.a, pair.b, entry_id)
     assert pair.b.lookup(IDENT, longer).hit_blocks == len(keys)
+    assert pair.down.fetcher.marks_sent(10)  # the access mark is PUT after the fetch returned
     assert pair.mine.access_key(entry_id) in remote_keys_of(seaweedfs, pair.prefix)
     counts = pair.down.counts.peek()
     assert counts[FETCH_HITS] == 1
