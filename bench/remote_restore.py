@@ -19,7 +19,10 @@ AWS variables, and per prompt size two parts:
   empty local root serves the prompts (its TTFT is the recompute), publishes them and uploads
   them before it stops; per rep, life B with another empty local root and the same bucket
   restores them from the tier (its TTFT is the remote restore), then life C on B's root restores
-  them from B's local store. Every life must give the same greedy tokens per prompt.
+  them from B's local store. Every restoring life must give the same greedy tokens per prompt
+  (they place the same bytes and compute the same suffix); whether the storing life's match
+  them is reported beside (it computed the whole prompt in one forward, whose bf16 sums may
+  differ from a forward over the suffix alone).
 
 Writes DIR/remote_restore.json and DIR/remote_restore.png. Machines are noisy: the store part's
 two reads alternate within each rep and are compared as medians of one run.
@@ -181,10 +184,13 @@ def engine_point(server, prompt_tokens: int, prompts: int, reps: int, work: Path
     def ttfts(result: dict) -> list[float]:
         return [r["ttft_s"] for r in result["requests"]]
 
-    outputs = {tuple(r["check_tokens"]) for r in stored["requests"]}
-    identical = all([tuple(r["check_tokens"]) for r in one[kind]["requests"]]
-                    == [tuple(r["check_tokens"]) for r in stored["requests"]]
-                    for one in lives for kind in ("remote", "local"))
+    def tokens(result: dict) -> list[list[int]]:
+        return [r["check_tokens"] for r in result["requests"]]
+
+    restored = [tokens(one[kind]) for one in lives for kind in ("remote", "local")]
+    # every restore places the same bytes and computes the same suffix: one output per prompt;
+    # the storing life computed the whole prompt in one forward, whose bf16 sums may differ
+    identical = all(t == restored[0] for t in restored)
     remote = [t for one in lives for t in ttfts(one["remote"])]
     local = [t for one in lives for t in ttfts(one["local"])]
     recompute = ttfts(stored)
@@ -194,7 +200,9 @@ def engine_point(server, prompt_tokens: int, prompts: int, reps: int, work: Path
             "ttft_recompute_s": recompute, "ttft_remote_s": remote, "ttft_local_s": local,
             "recompute_median_s": _median(recompute), "remote_median_s": _median(remote),
             "local_median_s": _median(local), "recompute_over_remote": _median(recompute) / _median(remote),
-            "cached_tokens_min": cached, "distinct_outputs": len(outputs), "identical_outputs": identical}
+            "cached_tokens_min": cached, "identical_outputs": identical,
+            "recompute_identical_to_restores": tokens(stored) == restored[0],
+            "tokens": {"recompute": tokens(stored), "restores": restored}}
 
 
 # ---------------------------------------------------------------------- report
@@ -264,13 +272,16 @@ def main(argv: list[str] | None = None) -> int:
                 point = engine_point(server, n, args.prompts, args.reps, work)
                 result["engine"].append(point)
                 print(f"[{n}] engine: TTFT recompute {point['recompute_median_s']:.2f} s, from the bucket "
-                      f"{point['remote_median_s']:.3f} s, local {point['local_median_s']:.3f} s, identical "
-                      f"outputs {point['identical_outputs']}, cached {point['cached_tokens_min']}", flush=True)
+                      f"{point['remote_median_s']:.3f} s, local {point['local_median_s']:.3f} s, restores identical "
+                      f"{point['identical_outputs']} (to the storing life: "
+                      f"{point['recompute_identical_to_restores']}), cached {point['cached_tokens_min']}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
-    result["met"] = {"remote_read_rate_at_least_target": all(p["met"] for p in result.get("store", [])),
-                     "identical_outputs": all(p["identical_outputs"] for p in result.get("engine", [])),
-                     "remote_faster_than_recompute": all(p["recompute_over_remote"] > 1
-                                                         for p in result.get("engine", []))}
+    result["met"] = {}
+    if "store" in result:
+        result["met"]["remote_read_rate_at_least_target"] = all(p["met"] for p in result["store"])
+    if "engine" in result:
+        result["met"].update(restores_identical=all(p["identical_outputs"] for p in result["engine"]),
+                             remote_faster_than_recompute=all(p["recompute_over_remote"] > 1 for p in result["engine"]))
     (args.out / "remote_restore.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "remote_restore.png")
     print(f"wrote {args.out / 'remote_restore.json'} and {args.out / 'remote_restore.png'}; met: {result['met']}")
