@@ -95,13 +95,12 @@ class Catalog:
             pass
 
     def ask_rescan(self) -> None:
-        """A publisher died between renaming its manifest and journaling it: every process
-        lists the manifests again (this one at its next complete refresh)."""
+        """A publisher died or failed between renaming its manifest and journaling it: every
+        process lists the manifests again (this one at its next complete refresh). Raises
+        ``OSError`` when the journal cannot take the record: the other processes would not
+        know, so the dead intent that says it must stay (``read_live_intents``)."""
         self.index.rescan_wanted()
-        try:
-            self.index.journal.append([rescan()])
-        except OSError:
-            pass
+        self.index.journal.append([rescan()])
 
     # ------------------------------------------------------------------ manifest files
 

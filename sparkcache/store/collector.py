@@ -93,13 +93,18 @@ class Collector:
         entry published meanwhile is seen by one of them. Raises
         ``OSError`` when the live publications cannot be read; the view may come back
         incomplete (``catalog.complete``), and then nothing may be deleted on it."""
-        protected, dead = read_live_intents(self.layout)
+        # a publisher died: it may have renamed a manifest it never journaled
+        protected, _ = read_live_intents(self.layout, before_removal=self._ask_rescan)
         with self.lock:
-            if dead:  # a publisher died: it may have renamed a manifest it never journaled
-                self.catalog.ask_rescan()
             self.catalog.unlinked()  # the gc lock's holder unlinks: none of ours is in flight
             self.catalog.refresh(complete=True)
         return protected
+
+    def _ask_rescan(self) -> None:
+        """Every process lists the manifests again, this one at this pass's refresh (raises
+        ``OSError`` when the journal cannot say it)."""
+        with self.lock:
+            self.catalog.ask_rescan()
 
     def require_complete(self) -> None:
         """Raise ``ViewIncomplete`` unless the view knows every manifest and its recency."""

@@ -11,8 +11,8 @@ to a descriptor opened ``O_APPEND`` (atomic against other appenders on a local f
 - ``-``: a manifest was unlinked (the collector, after the unlink, under the exclusive lock);
 - ``a``: an entry was accessed (a lookup's hit; its manifest's mtime holds the time);
 - ``r``: re-list everything (the identity and entry fields are zeros): a publisher died
-  between its manifest's rename and its ``+`` (found as a dead intent), so a manifest may
-  exist that no record names.
+  or failed between its manifest's rename and its ``+`` (found as a dead intent, which is
+  removed only once this record is appended), so a manifest may exist that no record names.
 
 The journal is a hint of *which* names changed; what a name holds is always read from the
 manifest itself. It is never fsynced: after a power loss every process starts again, and

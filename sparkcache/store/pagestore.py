@@ -134,17 +134,20 @@ class PageStore:
         Incomplete publications are invisible by construction (no manifest was renamed);
         the objects they wrote are collected by maintenance's orphan sweep.
         """
-        try:
-            _, cleaned = read_live_intents(self.layout, remove_stray_dirs=True)
+        try:  # a dead publisher may have left a manifest it never journaled: all list again
+            _, cleaned = read_live_intents(self.layout, remove_stray_dirs=True,
+                                           before_removal=self._ask_rescan)
         except OSError:
             cleaned = 0  # staging cannot be read now: its leftovers wait for the next writer
         with self._mutex:
-            if cleaned:  # a dead publisher may have left a manifest it never journaled
-                self.catalog.ask_rescan()
             self.catalog.refresh(full=True)
             report = RecoveryReport(cleaned, self.catalog.entry_count, self.catalog.bad_count)
         self.last_recovery = report
         return report
+
+    def _ask_rescan(self) -> None:
+        with self._mutex:
+            self.catalog.ask_rescan()
 
     # ------------------------------------------------------------------ publish
 
@@ -278,13 +281,17 @@ class PageStore:
             staging.open()
             refs = writer.write_pages(stream, reused_refs)
             data = manifest_of(refs)  # publish's takes the state's ref off: it counts pages
-            writer.commit(staging.temp_path("manifest"), data, self.catalog.manifest_path(idd, entry_id),
-                          lambda: self.catalog.make_identity_dir(idd))
             try:
+                writer.commit(staging.temp_path("manifest"), data, self.catalog.manifest_path(idd, entry_id),
+                              lambda: self.catalog.make_identity_dir(idd))
                 with shared_lock(self.layout, PUBLISH_WAIT_S):  # no journal rotation meanwhile
                     self.catalog.published(idd, entry_id)
-            except OSError:  # in place but not journaled: the abandoned intent asks for a rescan
-                staging.abandon()
+            except BaseException:
+                # From the rename on (its directory's fsync, the journal) the manifest may be
+                # in place, not journaled: the abandoned intent asks every process for a rescan
+                # (its objects are garbage only to a view that lists it).
+                if writer.placing:
+                    staging.abandon()
                 raise
         except BaseObjectGone as exc:
             return self._failed(Reason.BASE_ABSENT, started, entry_id, str(exc))

@@ -51,6 +51,7 @@ class PublicationWriter:
         self.pace = pace or (lambda: None)  # called before each page is put; may wait
         self.batch = objects.put_batch(staging)
         self.receipt = PutReceipt()  # what the batch put, once committed
+        self.placing = False  # whether the manifest's rename was attempted
 
     def write_pages(self, stream: PageStream, reused: dict[int, PageRef]) -> list[PageRef]:
         """Hash and put the pages of ``stream`` a chunk at a time (a page given as None:
@@ -102,6 +103,7 @@ class PublicationWriter:
             close_quietly(fd)
             raise
         os.close(fd)  # an error closing it fails the publication
+        self.placing = True  # from here a failure may leave the manifest in place
         layout.rename(manifest_temp, manifest_final)
         layout.fsync_dir(os.path.dirname(manifest_final))
 

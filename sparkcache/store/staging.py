@@ -19,7 +19,7 @@ import os
 import secrets
 import shutil
 import stat
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .layout import StoreLayout, UnsafePathError, close_quietly, is_object_digest, write_all
 from .locks import LockTimeout, flock_within
@@ -84,8 +84,8 @@ class Staging:
         known to the other processes (its manifest may be in place, unjournaled), so whoever
         finds it dead asks every process to list the manifests again."""
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            close_quietly(fd)  # the lock is released either way; the intent stays
 
     def close(self) -> None:
         """Remove leftover temp files; the intent goes last, then the lock is released.
@@ -106,8 +106,16 @@ class Staging:
         self.close()
 
 
-def read_live_intents(layout: StoreLayout, *, remove_stray_dirs: bool = False) -> tuple[set[str], int]:
+def read_live_intents(layout: StoreLayout, *, remove_stray_dirs: bool = False,
+                      before_removal: Callable[[], None] | None = None) -> tuple[set[str], int]:
     """Digests named by live publications, and how many dead ones were cleaned up.
+
+    A dead intent is the only trace of a publisher that may have renamed its manifest into
+    place without journaling it, so it is removed only after ``before_removal`` (called once,
+    at the first dead intent) has told every process to list the manifests again: when that
+    raises ``OSError`` the dead intents stay, for the next reader of staging to find. A failed
+    close of an intent's descriptor (a FUSE or network filesystem's flush) changes nothing
+    of what was read or removed: it is not an error here.
 
     Cleans up stale workspaces as a side effect: dead intents and their temp files,
     stray ``.new`` files of publishers that died before locking, and orphan temp files.
@@ -132,6 +140,8 @@ def read_live_intents(layout: StoreLayout, *, remove_stray_dirs: bool = False) -
         if name.endswith(TEMP_SUFFIX) and "-" in name:
             temps.setdefault(name.split("-", 1)[0], []).append(name)
     live: set[str] = set()
+    announced = before_removal is None  # whether a dead intent may be removed
+    kept_dead = False  # a dead intent stays: its rescan could not be asked for
     for token in intents:
         path = os.path.join(staging_dir, token + INTENT_SUFFIX)
         try:
@@ -147,12 +157,20 @@ def read_live_intents(layout: StoreLayout, *, remove_stray_dirs: bool = False) -
                 protected.update(line for line in data.decode("ascii", "replace").split("\n")
                                  if is_object_digest(line))
                 continue
+            if not announced and not kept_dead:
+                try:
+                    before_removal()
+                    announced = True
+                except OSError:
+                    kept_dead = True
+            if not announced:
+                continue  # its temps stay too: their intent is still there
             for name in temps.pop(token, ()):  # a dead publisher: its temps, then its intent
                 _remove_quietly(layout, os.path.join(staging_dir, name))
             _remove_quietly(layout, path)
             cleaned += 1
         finally:
-            os.close(fd)
+            close_quietly(fd)
     for name in names:
         full = os.path.join(staging_dir, name)
         if name.endswith(".new"):
@@ -203,13 +221,13 @@ def _remove_if_unlocked(layout: StoreLayout, path: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        close_quietly(fd)
         return 0
     try:
         _remove_quietly(layout, path)
         return 1
     finally:
-        os.close(fd)
+        close_quietly(fd)
 
 
 def _remove_quietly(layout: StoreLayout, path: str) -> None:

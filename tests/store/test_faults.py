@@ -12,8 +12,11 @@ Below them, what the state machine of ``test_fault_properties.py`` found, each r
 fault at one place: a manifest whose unlink fails keeps its objects (an eviction, a
 supersession); a pass that cannot stamp the pins directory expires nothing by its wall clock;
 a failed close of an object, of a publication's intent, of an abandoned temp file or of a
-manifest is not an exception; and a view that could not read a manifest or list its directory
-at open finds its entries once they read again, in a process that runs no pass.
+manifest is not an exception; a view that could not read a manifest or list its directory
+at open finds its entries once they read again, in a process that runs no pass; and a
+publication that fails with its manifest in place (from the rename on) leaves its intent, whose
+removal (a failed close there being no error) waits until the journal asks every process to
+list the manifests again, so another process's sweep keeps that manifest's objects.
 """
 
 from __future__ import annotations
@@ -432,3 +435,72 @@ def test_a_view_that_cannot_list_manifests_still_follows_the_journal(fs):
     finally:
         fs.clear()
     assert all(hits), hits
+
+
+GC_LOCK = r"^/default/locks/gc\.lock$"
+IDENTITY_DIR = r"^/default/manifests/[0-9a-f]{32}$"
+
+
+def _second_pages_kept_by_a_sweep(fs: FaultFS, reader: PageStore, maintainer: PageStore) -> None:
+    """After a publication of conversation 1 at 6 blocks that failed with its manifest in
+    place: a new writer's open (recovery, under the fault armed), then the other process's
+    pass with a full orphan sweep. Whatever the publication's manifest names stays."""
+    reopened = _open(fs.mount)  # under the fault armed, if any
+    fs.clear()
+    reader.close()
+    report = run_pass(maintainer, BUDGET, sweep_shards=256, timer=stopped_clock)
+    assert _dangling(reopened) == [], report
+    found = reopened.lookup(IDENT, conv_keys(1, 6))
+    assert found.hit_blocks in (4, 6), found
+    if found.hit_blocks == 6:
+        assert reopened.read(found.handle).ok
+    reopened.close()
+
+
+def test_a_dead_intent_removed_while_its_close_fails_still_asks_for_a_rescan(fs):
+    """A publication that cannot take the shared gc lock to journal its manifest leaves its
+    intent (the sign that a manifest may be in place unjournaled). The next writer's open
+    removed it, then the close of its descriptor failed (a flush on the removed file):
+    the open took it for a staging it could not read and asked no rescan, so another
+    process's sweep deleted objects the manifest names."""
+    reader = _fresh(fs, convs=(1,), n=4)
+    maintainer = _open(fs.mount)
+    fs.fail("open", GC_LOCK, errno.EACCES, after=2, times=-1)  # the journaling's
+    result = reader.publish(IDENT, conv_keys(1, 6), conv_pages(1, 6, 4))
+    assert not result.ok and fs.fired() > 0, result
+    fs.clear()
+    fs.fail("flush", r"^$", errno.EACCES, times=-1)  # a file removed while open
+    _second_pages_kept_by_a_sweep(fs, reader, maintainer)
+
+
+def test_a_publication_that_fails_after_renaming_its_manifest_keeps_its_objects(fs):
+    """The fsync of the manifest's directory fails after the rename: the manifest is in
+    place and not journaled, so the failed publication must leave the sign of it (its
+    intent) for the other processes, not remove it."""
+    reader = _fresh(fs, convs=(1,), n=4)
+    maintainer = _open(fs.mount)
+    fs.fail("fsyncdir", IDENTITY_DIR, errno.EIO, times=-1)
+    result = reader.publish(IDENT, conv_keys(1, 6), conv_pages(1, 6, 4))
+    assert not result.ok and fs.fired() > 0, result
+    _second_pages_kept_by_a_sweep(fs, reader, maintainer)
+
+
+def test_a_dead_intent_whose_rescan_cannot_be_journaled_stays(fs):
+    """The journal refuses the rescan record: the dead intent is the only sign left that a
+    manifest may be in place unjournaled, so no open or pass removes it."""
+    reader = _fresh(fs, convs=(1,), n=4)
+    fs.fail("open", GC_LOCK, errno.EACCES, after=2, times=-1)  # the journaling's
+    result = reader.publish(IDENT, conv_keys(1, 6), conv_pages(1, 6, 4))
+    assert not result.ok and fs.fired() > 0, result
+    fs.clear()
+    intents = [n for n in os.listdir(fs.backing / "default" / "staging") if n.endswith(".intent")]
+    assert len(intents) == 1, (intents, result)
+    fs.fail("write", r"^/default/journal/current$", errno.EIO, times=-1)
+    fs.fail("open", r"^/default/journal/current$", errno.EIO, times=-1)
+    other = _open(fs.mount)
+    run_pass(other, BUDGET, sweep_shards=256, timer=stopped_clock)
+    assert fs.fired() > 0
+    fs.clear()
+    assert (fs.backing / "default" / "staging" / intents[0]).exists()
+    other.close()
+    reader.close()
