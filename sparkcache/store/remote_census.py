@@ -25,6 +25,7 @@ from .manifests import MAX_MANIFEST_BYTES, ManifestError, PageRef, decode
 from .reasons import Reason
 from .remote_bucket import RemoteBucket
 from .remote_keys import KeyKind, RemoteKeys, namespace_prefix, parse_key, pointer_name, pointer_positions
+from .s3_backend import each_in_flight
 from .s3_errors import describe
 from .s3_location import S3Location
 
@@ -91,27 +92,10 @@ class SweepRequests:
         self._keys.delete(key)
 
     def each(self, fn: Callable, items: list) -> list:
-        """``[fn(item) for item in items]``, ``requests_in_flight`` at once; the first failure
-        (in ``items`` order) is raised once every call has ended."""
-        results = list(self._pool.map(lambda item: _caught(fn, item), items))
-        for result in results:
-            if isinstance(result, _Raised):
-                raise result.exc
-        return results
-
-
-class _Raised:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-def _caught(fn: Callable, item):
-    try:
-        return fn(item)
-    except Exception as exc:  # noqa: BLE001 - raised by ``each`` once every call has ended
-        return _Raised(exc)
+        """``[fn(item) for item in items]``, ``requests_in_flight`` at once (``each_in_flight``:
+        after a failure the calls not begun are not made; the first failure is raised once every
+        call begun has ended)."""
+        return each_in_flight(self._pool, fn, items)
 
 
 @dataclass(frozen=True)

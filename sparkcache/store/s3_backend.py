@@ -200,30 +200,9 @@ class S3Backend:
             raise self.os_error(exc, f"PUT of {self.location.where(key)}") from None
 
     def each(self, fn: Callable, items: list) -> list:
-        """``[fn(item) for item in items]``, up to ``requests_in_flight`` at once (obstore
-        releases the GIL while it waits). Once a call has failed, the calls not begun are not
-        made (against a server that does not answer, a batch then waits for one round of
-        timeouts, not one per object); every call begun ends before the first failure in
-        ``items`` order is raised."""
-        failed = threading.Event()
-
-        def call(item):
-            if failed.is_set():
-                return _NOT_MADE
-            try:
-                return fn(item)
-            except Exception as exc:  # noqa: BLE001 - raised below, once every call has ended
-                failed.set()
-                return _Failed(exc)
-
-        if len(items) <= 1 or self.location.requests_in_flight == 1:
-            results = [call(item) for item in items]
-        else:
-            results = list(self._threads().map(call, items))
-        for result in results:
-            if isinstance(result, _Failed):
-                raise result.exc
-        return results
+        """``[fn(item) for item in items]``, up to ``requests_in_flight`` at once (``each_in_flight``)."""
+        return each_in_flight(None if len(items) <= 1 or self.location.requests_in_flight == 1 else self._threads(),
+                              fn, items)
 
     def submit(self, fn: Callable, *args) -> Future:
         """``fn(*args)`` on one of the ``requests_in_flight`` threads that carry parallel requests."""
@@ -245,6 +224,29 @@ class S3Backend:
         return describe(exc, self.location).os_error(what)
 
 
+def each_in_flight(threads: ThreadPoolExecutor | None, fn: Callable, items: list) -> list:
+    """``[fn(item) for item in items]`` on ``threads`` (None: in turn, here); obstore releases the
+    GIL while it waits. Once a call has failed, the calls not begun are not made (against a
+    server that does not answer, a batch then waits for one round of timeouts, not one per
+    item); every call begun ends before the first failure in ``items`` order is raised."""
+    failed = threading.Event()
+
+    def call(item):
+        if failed.is_set():
+            return _NOT_MADE
+        try:
+            return fn(item)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every call has ended
+            failed.set()
+            return _Failed(exc)
+
+    results = [call(item) for item in items] if threads is None else list(threads.map(call, items))
+    for result in results:
+        if isinstance(result, _Failed):
+            raise result.exc
+    return results
+
+
 class _Failed:
     __slots__ = ("exc",)
 
@@ -252,7 +254,7 @@ class _Failed:
         self.exc = exc
 
 
-_NOT_MADE = object()  # a call of ``each`` not made: an earlier one failed
+_NOT_MADE = object()  # a call of ``each_in_flight`` not made: an earlier one failed
 
 
 def _just_before(key: str) -> str:
@@ -261,4 +263,4 @@ def _just_before(key: str) -> str:
     return key[:-1] + chr(ord(key[-1]) - 1) + "~"
 
 
-__all__ = ["S3Backend"]
+__all__ = ["S3Backend", "each_in_flight"]

@@ -8,9 +8,12 @@ and says why; two sweepers at once leave the bucket consistent."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 
 import obstore
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -197,6 +200,34 @@ def test_a_server_that_stops_answering_deletes_nothing_and_the_cli_says_why(tmp_
         left = ns.assert_consistent()
         assert len(left) == 3 and plan.evictions[0].entry.entry_id not in left
         assert _sweep(ns, 1).entries_evicted == 3 and ns.assert_consistent() == []
+
+
+def test_against_a_server_that_hangs_a_batch_of_requests_waits_for_one_round_of_timeouts(tmp_path, monkeypatch):
+    """SIGSTOPped, the server accepts and never answers: the sweeper's batch of many requests
+    (a census reads every manifest this way) fails within one request timeout, however few it
+    keeps in flight (once one has failed, the rest are not sent), as the object backend's do."""
+    timeout_s = 1.0
+    with SeaweedFS(tmp_path / "s3") as server:
+        ns = RemoteNamespace(server, monkeypatch, tmp_path / "local", timeout_s=timeout_s,
+                             connect_timeout_s=0.5, retries=0, requests_in_flight=2)
+        bucket = SweepRequests(ns.location)
+        sent = []
+
+        def get(key):
+            sent.append(key)
+            return bucket.get(key, 1 << 20)
+
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(OSError) as caught:
+                bucket.each(get, [f"{ns.location.prefix}/never/{i}" for i in range(12)])
+            took = time.monotonic() - started
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+            bucket.close()
+        assert server.endpoint.url in str(caught.value)
+        assert took < 2 * timeout_s + 1.0 and len(sent) < 12, (took, len(sent))
 
 
 def test_two_sweepers_at_once_leave_the_bucket_consistent(seaweedfs, monkeypatch, tmp_path):
