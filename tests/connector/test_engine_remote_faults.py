@@ -8,10 +8,11 @@ process, rounds of one life on an emptied GPU prefix cache (contracts/engine_dri
    prompt V is computed and published while it is down (its upload fails, counted, retried with
    backoff); A's local store verifies clean; the server is started again on its directory and A's
    upload of V completes; the bucket check finds both entries whole;
-2. life B (an empty root): V restored from the bucket with output identical to A's computed one;
-   then the server is SIGKILLed and D is asked for: the fetch fails (a miss, ``io_error``, within
-   the fetch deadline), D is recomputed with identical output, B's root verifies clean, B still
-   stops (its drain is bounded);
+2. life B (an empty root, reaching the server through ``testing.cutting_proxy``): V restored
+   from the bucket with output identical to A's computed one; then D is asked for, and the
+   server is SIGKILLed once part of one of D's objects has been sent: the fetch fails (a miss,
+   ``io_error``, within the fetch deadline), nothing of D is kept, D is recomputed with
+   identical output, B's root verifies clean, B still stops (its drain is bounded);
 3. one byte of one of D's remote objects flipped; life C (an empty root) asks for D: the fetch
    refuses it (``corrupt``) and removes it from the bucket, D is recomputed with identical output
    and published locally, and C's upload puts the object back: the bucket check is clean again.
@@ -27,13 +28,15 @@ import pytest
 
 from sparkcache.store import PageStore
 from sparkcache.store.remote_keys import RemoteKeys
+from testing.cutting_proxy import CuttingProxy
 
 from .conftest import metric, run_engine, stored_entry
 from .test_engine_remote import BLOCK, D, REUSABLE, V, bucket_check, remote_extra
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-UPLOAD_WAIT_S = 120.0  # how long a test waits for an upload retried after a restart (its backoff)
+UPLOAD_WAIT_S = 120.0
+CUT_AFTER_BYTES = 100_000  # into an object's response (the tiny Llama's are larger) when the server dies  # how long a test waits for an upload retried after a restart (its backoff)
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +97,19 @@ def lives(tiny_model, server, tmp_path_factory):
     out["a"] = a["phases"]
     out["a_check"] = bucket_check(server, prefix)
 
-    def between_b(_phase: int, _done: list[dict]) -> None:
-        server.kill()  # before D is asked for: its fetch meets the dead server
+    # B reaches the server through a proxy that kills it in the middle of an object's response
+    proxy = CuttingProxy(("127.0.0.1", server.ports["s3"])).start()
 
-    b_extra = {**remote_extra(server, roots["b"], prefix), "remote_drain_seconds": 1}
-    b = run_engine({**base, "extra": b_extra, "phases": [{"prompts": [V]}, {"prompts": [D]}]},
-                   timeout=900, env=env, between=between_b)
-    out["b"], out["b_log"] = b["phases"], b["log"]
+    def between_b(_phase: int, _done: list[dict]) -> None:  # before D is asked for
+        proxy.arm(b"/objects/", after_bytes=CUT_AFTER_BYTES, action=server.kill)
+
+    b_extra = {**remote_extra(server, roots["b"], prefix), "remote_endpoint": proxy.url, "remote_drain_seconds": 1}
+    try:
+        b = run_engine({**base, "extra": b_extra, "phases": [{"prompts": [V]}, {"prompts": [D]}]},
+                       timeout=900, env=env, between=between_b)
+    finally:
+        proxy.close()
+    out["b"], out["b_log"], out["b_cut"], out["b_killed"] = b["phases"], b["log"], proxy.cut, not server.running()
     server.start()
     out["b_verify"] = PageStore.verify_root(str(roots["b"]), "default")
     out["b_check"] = bucket_check(server, prefix)
@@ -138,7 +147,10 @@ def test_the_entry_uploaded_after_the_restart_restores_with_identical_output(liv
 
 
 def test_a_killed_server_during_a_fetch_is_a_miss_and_the_request_recomputes(lives):
+    """The server died with an object's response part sent: the fetch is a miss, nothing of
+    the entry is kept locally, the request recomputes with identical output."""
     missed = lives["b"][1]
+    assert lives["b_killed"] and len(lives["b_cut"]) == 1 and "/objects/" in lives["b_cut"][0], lives["b_cut"]
     rec = _record(missed)
     assert (rec["external_tokens"], rec["recomputed_tokens"], rec["complete"]) == (0, 2100, True), rec
     assert missed["results"][0]["tokens"] == lives["a"][0]["results"][0]["tokens"]
