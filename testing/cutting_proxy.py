@@ -1,15 +1,18 @@
 """A TCP proxy on 127.0.0.1 in front of a real HTTP server, that can end the server in the middle
-of a response: what a client sees when its S3 server dies while it downloads.
+of a response or of a request: what a client sees when its S3 server dies while it downloads or
+uploads.
 
     proxy = CuttingProxy(("127.0.0.1", server_port)).start()
     proxy.url                                   # give the client this endpoint
-    proxy.arm(b"/objects/", after_bytes=100_000, action=server.kill)
+    proxy.arm(b"GET ", b"/objects/", after_bytes=100_000, action=server.kill)
+    proxy.arm(b"PUT ", b"/objects/", after_bytes=100_000, action=server.kill, request=True)
 
-Every connection is forwarded byte for byte both ways. Armed, the first response to a request
-whose request line (``GET <path> HTTP/1.1``) holds ``match`` is cut once ``after_bytes`` of it
-(headers and body) have gone to the client: ``action`` runs (the test kills the server there),
-and the client's connection is closed without the rest, as a dead server's would be. Once cut it
-forwards again (a new connection to a dead server is refused: the proxy closes the client's).
+Every connection is forwarded byte for byte both ways. Armed, the first request whose request
+line (``GET <path> HTTP/1.1``) starts with ``method`` and whose path holds ``path_part`` is cut
+once ``after_bytes`` of its response (or, ``request=True``, of the request itself: line, headers
+and body) have been forwarded: ``action`` runs (the test kills the server there), and both
+connections are closed without the rest, as a dead server's would be. Once cut it forwards
+again (a new connection to a dead server is refused: the proxy closes the client's).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from __future__ import annotations
 import re
 import socket
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
-_REQUEST_LINE = re.compile(rb"^(?:GET|HEAD|PUT|POST|DELETE) (\S+) HTTP/1\.[01]\r\n")
+_REQUEST_LINE = re.compile(rb"^(?:GET|HEAD|PUT|POST|DELETE) \S+ HTTP/1\.[01]\r\n")
 _CHUNK = 1 << 16
 
 
@@ -32,17 +36,29 @@ class CuttingProxy:
         self.port = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
-        self._armed: tuple[bytes, int, Callable[[], None]] | None = None
-        self.cut: list[str] = []  # the paths whose responses were cut
+        self._armed: _Armed | None = None
+        self.cut: list[str] = []  # the request lines whose request or response was cut
         self._closing = False
 
     def start(self) -> "CuttingProxy":
         threading.Thread(target=self._accept, name="cutting-proxy", daemon=True).start()
         return self
 
-    def arm(self, match: bytes, after_bytes: int, action: Callable[[], None]) -> None:
+    def arm(self, method: bytes, path_part: bytes, after_bytes: int, action: Callable[[], None],
+            request: bool = False) -> None:
         with self._lock:
-            self._armed = (match, after_bytes, action)
+            self._armed = _Armed(method, path_part, after_bytes, action, request)
+
+    def _fire(self, line: bytes, sent: int, more: int, request: bool) -> _Armed | None:
+        """The armed cut, taken (it fires once), when ``more`` bytes past ``sent`` of ``line``'s
+        request (``request``) or response would pass its bound; else None."""
+        with self._lock:
+            armed = self._armed
+            if armed is None or not armed.matches(line, request) or sent + more <= armed.after_bytes:
+                return None
+            self._armed = None
+        self.cut.append(line.decode(errors="replace").strip())
+        return armed
 
     def close(self) -> None:
         self._closing = True
@@ -63,42 +79,43 @@ class CuttingProxy:
             client.close()
             return
         server.settimeout(None)
-        path: list[bytes] = [b""]  # the last request line's path the client sent on this connection
-        threading.Thread(target=self._upstream, args=(client, server, path), daemon=True).start()
-        self._downstream(server, client, path)
+        line: list[bytes] = [b""]  # the last request line the client sent on this connection
+        threading.Thread(target=self._upstream, args=(client, server, line), daemon=True).start()
+        self._downstream(server, client, line)
 
-    def _upstream(self, client: socket.socket, server: socket.socket, path: list[bytes]) -> None:
-        """Client to server; notes each request's path."""
+    def _upstream(self, client: socket.socket, server: socket.socket, line: list[bytes]) -> None:
+        """Client to server; notes each request's line; cuts the armed request."""
+        sent = 0
         try:
             while data := client.recv(_CHUNK):
                 found = _REQUEST_LINE.match(data)
                 if found:
-                    path[0] = found.group(1)
+                    line[0], sent = found.group(0), 0
+                armed = self._fire(line[0], sent, len(data), request=True)
+                if armed is not None:
+                    server.sendall(data[:max(0, armed.after_bytes - sent)])
+                    armed.action()
+                    return
                 server.sendall(data)
+                sent += len(data)
         except OSError:
             pass
         finally:
             _shut(server)
+            _shut(client)
 
-    def _downstream(self, server: socket.socket, client: socket.socket, path: list[bytes]) -> None:
+    def _downstream(self, server: socket.socket, client: socket.socket, line: list[bytes]) -> None:
         """Server to client; cuts the armed response."""
-        sent, sent_path = 0, b""
+        sent, sent_line = 0, b""
         try:
             while data := server.recv(_CHUNK):
-                if path[0] != sent_path:
-                    sent, sent_path = 0, path[0]
-                with self._lock:
-                    armed = self._armed
-                if armed is not None and armed[0] in sent_path and sent + len(data) > armed[1]:
-                    with self._lock:
-                        if self._armed is not armed:
-                            armed = None
-                        self._armed = None
-                    if armed is not None:
-                        client.sendall(data[:max(0, armed[1] - sent)])
-                        self.cut.append(sent_path.decode(errors="replace"))
-                        armed[2]()
-                        return
+                if line[0] is not sent_line:  # a new request (each line is its own bytes)
+                    sent, sent_line = 0, line[0]
+                armed = self._fire(sent_line, sent, len(data), request=False)
+                if armed is not None:
+                    client.sendall(data[:max(0, armed.after_bytes - sent)])
+                    armed.action()
+                    return
                 client.sendall(data)
                 sent += len(data)
         except OSError:
@@ -106,6 +123,18 @@ class CuttingProxy:
         finally:
             _shut(client)
             _shut(server)
+
+
+@dataclass(frozen=True)
+class _Armed:
+    method: bytes
+    path_part: bytes
+    after_bytes: int
+    action: Callable[[], None]
+    request: bool
+
+    def matches(self, line: bytes, request: bool) -> bool:
+        return request == self.request and line.startswith(self.method) and self.path_part in line
 
 
 def _shut(sock: socket.socket) -> None:

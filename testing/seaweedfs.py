@@ -197,15 +197,16 @@ class SeaweedFS:
             time.sleep(0.2)
         raise SeaweedError(self._failure(f"not ready after {self.ready_deadline_s:g} s (last: {last})"))
 
-    def raw_store(self, timeout_s: float = 10.0, retries: int = 0):
+    def raw_store(self, timeout_s: float = 10.0, retries: int = 0, url: str | None = None):
         """An obstore ``S3Store`` on the bucket with the run's keys, for a test to reach past
-        the backend (read, overwrite, delete objects as they are stored)."""
+        the backend (read, overwrite, delete objects as they are stored); ``url``: reach the
+        server there instead (a proxy in front of it)."""
         from datetime import timedelta
 
         from obstore.store import S3Store
 
         e = self.endpoint
-        return S3Store(e.bucket, endpoint=e.url, region=e.region, access_key_id=e.access_key,
+        return S3Store(e.bucket, endpoint=url or e.url, region=e.region, access_key_id=e.access_key,
                        secret_access_key=e.secret_key, virtual_hosted_style_request=False,
                        client_options={"allow_http": True, "timeout": timedelta(seconds=timeout_s),
                                        "connect_timeout": timedelta(seconds=min(timeout_s, 2.0))},

@@ -12,6 +12,7 @@ import obstore
 import psutil
 import pytest
 
+from testing.cutting_proxy import CuttingProxy
 from testing.seaweedfs import LOOPBACK, SeaweedError, SeaweedFS, weed_binary
 
 
@@ -51,6 +52,36 @@ def test_after_a_sigkill_the_same_server_comes_back_with_its_objects(tmp_path):
         server.kill()  # as a failing test leaves it: stopping it then still cleans up
     # weed puts its gRPC sockets in /tmp, named by their ports: stopping it takes them away
     assert [p for p in server.ports.values() if glob.glob(f"/tmp/seaweedfs-*-grpc-{p}.sock")] == []
+
+
+def test_the_cutting_proxy_kills_the_server_mid_response_and_mid_request(tmp_path):
+    """testing/cutting_proxy.py: unarmed it forwards; armed on an object's GET, the client gets
+    part of the response and an error, and the server is dead; armed on a PUT's body, the PUT
+    fails, the server is dead, and after a restart the object is not there."""
+    with SeaweedFS(tmp_path / "s") as server:
+        proxy = CuttingProxy((LOOPBACK, server.ports["s3"])).start()
+        try:
+            via = server.raw_store(timeout_s=5.0, retries=2, url=proxy.url)
+            body = bytes(range(256)) * 2048  # 512 KiB
+            obstore.put(via, "objects/whole", body, use_multipart=False)
+            assert bytes(obstore.get(via, "objects/whole").bytes()) == body and proxy.cut == []
+
+            proxy.arm(b"GET ", b"/objects/", after_bytes=100_000, action=server.kill)
+            with pytest.raises(Exception):
+                obstore.get(via, "objects/whole").bytes()
+            assert not server.running() and len(proxy.cut) == 1 and proxy.cut[0].startswith("GET ")
+            server.start()
+
+            proxy.arm(b"PUT ", b"/objects/", after_bytes=100_000, action=server.kill, request=True)
+            with pytest.raises(Exception):
+                obstore.put(via, "objects/cut", body, use_multipart=False)
+            assert not server.running() and len(proxy.cut) == 2 and proxy.cut[1].startswith("PUT ")
+            server.start()
+            with pytest.raises(FileNotFoundError):
+                obstore.head(server.raw_store(), "objects/cut")
+            assert bytes(obstore.get(via, "objects/whole").bytes()) == body  # forwarding again
+        finally:
+            proxy.close()
 
 
 def test_a_missing_binary_says_how_to_install_it(tmp_path):

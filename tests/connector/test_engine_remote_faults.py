@@ -4,10 +4,11 @@ module's own (its kills touch no other test), the tiny Llama at TP=1, every life
 process, rounds of one life on an emptied GPU prefix cache (contracts/engine_driver.py,
 ``"phases"``):
 
-1. life A (root A): prompt D computed, published and uploaded; then the server is SIGKILLed and
-   prompt V is computed and published while it is down (its upload fails, counted, retried with
-   backoff); A's local store verifies clean; the server is started again on its directory and A's
-   upload of V completes; the bucket check finds both entries whole;
+1. life A (root A, reaching the server through ``testing.cutting_proxy``, as B does): prompt D
+   computed, published and uploaded; then prompt V is computed and published, and the server is
+   SIGKILLed once part of one of V's objects has been PUT (its upload fails, counted, retried
+   with backoff); A's local store verifies clean; the server is started again on its directory
+   and A's upload of V completes; the bucket check finds both entries whole;
 2. life B (an empty root, reaching the server through ``testing.cutting_proxy``): V restored
    from the bucket with output identical to A's computed one; then D is asked for, and the
    server is SIGKILLed once part of one of D's objects has been sent: the fetch fails (a miss,
@@ -81,27 +82,30 @@ def lives(tiny_model, server, tmp_path_factory):
     base = {"model": tiny_model, "max_tokens": 16, "block_size": BLOCK, "connector": "sparkcache"}
     out: dict = {"roots": roots}
 
+    # A and B reach the server through a proxy that kills it in the middle of an object's PUT
+    # (A) or of an object's response (B)
+    proxy = CuttingProxy(("127.0.0.1", server.ports["s3"])).start()
+
     def between_a(phase: int, _done: list[dict]) -> None:
-        if phase == 1:  # D uploaded; the server killed before V is served
+        if phase == 1:  # D uploaded; V's first object PUT will be cut, the server killed there
             out["a_first_upload"] = _wait_for_entries(server, prefix, 1)
-            server.kill()
-        else:  # V published while the server was down (its upload failed); then back
-            time.sleep(3)  # the upload's first tries meet the dead server
+            proxy.arm(b"PUT ", b"/objects/", after_bytes=CUT_AFTER_BYTES, action=server.kill, request=True)
+        else:  # V published, its upload cut and failing while the server is down; then back
+            time.sleep(3)  # the upload's retries meet the dead server
+            out["a_cut"], out["a_killed"] = list(proxy.cut), not server.running()
             out["a_verify_down"] = PageStore.verify_root(str(roots["a"]), "default")
             server.start()
             out["a_retried"] = _wait_for_entries(server, prefix, 2)
 
-    a = run_engine({**base, "extra": remote_extra(server, roots["a"], prefix),
-                    "phases": [{"prompts": [D]}, {"prompts": [V]}, {"prompts": [D]}]},
+    a_extra = {**remote_extra(server, roots["a"], prefix), "remote_endpoint": proxy.url}
+    a = run_engine({**base, "extra": a_extra, "phases": [{"prompts": [D]}, {"prompts": [V]}, {"prompts": [D]}]},
                    timeout=900, env=env, between=between_a)
     out["a"] = a["phases"]
     out["a_check"] = bucket_check(server, prefix)
-
-    # B reaches the server through a proxy that kills it in the middle of an object's response
-    proxy = CuttingProxy(("127.0.0.1", server.ports["s3"])).start()
+    proxy.cut.clear()
 
     def between_b(_phase: int, _done: list[dict]) -> None:  # before D is asked for
-        proxy.arm(b"/objects/", after_bytes=CUT_AFTER_BYTES, action=server.kill)
+        proxy.arm(b"GET ", b"/objects/", after_bytes=CUT_AFTER_BYTES, action=server.kill)
 
     b_extra = {**remote_extra(server, roots["b"], prefix), "remote_endpoint": proxy.url, "remote_drain_seconds": 1}
     try:
@@ -123,7 +127,10 @@ def lives(tiny_model, server, tmp_path_factory):
 
 
 def test_a_killed_server_during_uploads_leaves_serving_and_the_local_store_whole(lives):
+    """The server died with part of one of V's objects PUT: serving went on, A's store verifies."""
     first, down, last = lives["a"]
+    assert lives["a_killed"] and len(lives["a_cut"]) == 1 and lives["a_cut"][0].startswith("PUT ") \
+        and "/objects/" in lives["a_cut"][0], lives["a_cut"]
     assert lives["a_first_upload"].clean and lives["a_first_upload"].entries == 1, lives["a_first_upload"]
     assert [_record(p)["external_tokens"] for p in (first, down)] == [0, 0]
     assert _record(last)["external_tokens"] == REUSABLE  # served locally after the restart
