@@ -80,49 +80,32 @@ class CuttingProxy:
             return
         server.settimeout(None)
         line: list[bytes] = [b""]  # the last request line the client sent on this connection
-        threading.Thread(target=self._upstream, args=(client, server, line), daemon=True).start()
-        self._downstream(server, client, line)
+        threading.Thread(target=self._pipe, args=(client, server, line, True), daemon=True).start()
+        self._pipe(server, client, line, False)
 
-    def _upstream(self, client: socket.socket, server: socket.socket, line: list[bytes]) -> None:
-        """Client to server; notes each request's line; cuts the armed request."""
-        sent = 0
+    def _pipe(self, src: socket.socket, dst: socket.socket, line: list[bytes], request: bool) -> None:
+        """One direction: client to server (``request``: notes each request's line) or server to
+        client; cuts the armed request or response of that direction."""
+        sent, counted = 0, b""  # bytes of ``counted``'s request (or response) forwarded so far
         try:
-            while data := client.recv(_CHUNK):
-                found = _REQUEST_LINE.match(data)
+            while data := src.recv(_CHUNK):
+                found = _REQUEST_LINE.match(data) if request else None
                 if found:
-                    line[0], sent = found.group(0), 0
-                armed = self._fire(line[0], sent, len(data), request=True)
+                    line[0] = found.group(0)
+                if line[0] is not counted:  # a new request (each line is its own bytes)
+                    sent, counted = 0, line[0]
+                armed = self._fire(counted, sent, len(data), request)
                 if armed is not None:
-                    server.sendall(data[:max(0, armed.after_bytes - sent)])
+                    dst.sendall(data[:max(0, armed.after_bytes - sent)])
                     armed.action()
                     return
-                server.sendall(data)
+                dst.sendall(data)
                 sent += len(data)
         except OSError:
             pass
         finally:
-            _shut(server)
-            _shut(client)
-
-    def _downstream(self, server: socket.socket, client: socket.socket, line: list[bytes]) -> None:
-        """Server to client; cuts the armed response."""
-        sent, sent_line = 0, b""
-        try:
-            while data := server.recv(_CHUNK):
-                if line[0] is not sent_line:  # a new request (each line is its own bytes)
-                    sent, sent_line = 0, line[0]
-                armed = self._fire(sent_line, sent, len(data), request=False)
-                if armed is not None:
-                    client.sendall(data[:max(0, armed.after_bytes - sent)])
-                    armed.action()
-                    return
-                client.sendall(data)
-                sent += len(data)
-        except OSError:
-            pass
-        finally:
-            _shut(client)
-            _shut(server)
+            _shut(dst)
+            _shut(src)
 
 
 @dataclass(frozen=True)
