@@ -97,7 +97,7 @@ def store_point(server, prompt_tokens: int, reps: int, work: Path) -> dict:
         raise RuntimeError("the bench entry's upload did not end within 600 s")
     upload_s = time.monotonic() - t
     manifest = source.entry(published.entry_id).manifest
-    object_keys = [upload_tier.bucket.shard(source.namespace, identity.digest()).objects.location.key(ref.digest)
+    object_keys = [upload_tier.bucket.shard(source.namespace, identity).objects.location.key(ref.digest)
                    for ref in manifest.objects]
     total = sum(ref.size for ref in manifest.objects)
     upload_tier.close()

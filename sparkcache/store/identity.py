@@ -82,6 +82,13 @@ class Identity:
             object.__setattr__(self, "_digest", cached)
         return cached
 
+    def unit_digest(self) -> str:
+        """The digest of rank 0's identity of the same unit (this one with ``tp_rank`` 0): what
+        every tensor-parallel rank's shard of an entry shares. The shared tier keeps a unit's
+        objects under it, so the ranks of a replicated layout (MLA: each rank's pages are rank
+        0's bytes) store them once (``remote_keys``)."""
+        return self.digest() if self.tp_rank == 0 else dataclasses.replace(self, tp_rank=0).digest()
+
 
 _DECODED: dict[tuple, Identity] = {}  # the identities manifests recorded, by their fields
 

@@ -1,9 +1,9 @@
 """The shared tier's bucket, one identity's shard of it at a time.
 
 ``RemoteBucket`` holds one obstore client of the bucket (its bounds: ``S3Location``'s) and
-gives, per namespace and identity digest, a ``RemoteShard``: the shard's key names
-(``remote_keys.RemoteKeys``), its objects (an ``S3Backend`` whose prefix is ``P/NS/IDD``: verified
-gets, put-if-absent batches) and its plain keys (``s3_keys.S3Keys``: manifests, pointers, access
+gives, per namespace and identity, a ``RemoteShard``: the shard's key names
+(``remote_keys.RemoteKeys``), its objects (an ``S3Backend`` whose prefix is its unit's ``P/NS/UD``:
+verified gets, put-if-absent batches) and its plain keys (``s3_keys.S3Keys``: manifests, pointers, access
 marks), all on that one client.
 """
 
@@ -13,6 +13,7 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
+from .identity import Identity
 from .remote_keys import RemoteKeys
 from .s3_backend import S3Backend
 from .s3_keys import S3Keys
@@ -35,16 +36,16 @@ class RemoteBucket:
         self.location = location
         self.client = open_client(location)
         self.plain = S3Keys(location, self.client)
-        self._shards: dict[tuple[str, str], RemoteShard] = {}
+        self._shards: dict[RemoteKeys, RemoteShard] = {}
         self._lock = threading.Lock()
 
-    def shard(self, namespace: str, identity_digest: str) -> RemoteShard:
+    def shard(self, namespace: str, identity: Identity) -> RemoteShard:
+        keys = RemoteKeys.of(self.location.prefix, namespace, identity)
         with self._lock:
-            found = self._shards.get((namespace, identity_digest))
+            found = self._shards.get(keys)
             if found is None:
-                keys = RemoteKeys(self.location.prefix, namespace, identity_digest)
-                objects = S3Backend(dataclasses.replace(self.location, prefix=keys.base), self.client)
-                found = self._shards[(namespace, identity_digest)] = RemoteShard(keys, objects, self.plain)
+                objects = S3Backend(dataclasses.replace(self.location, prefix=keys.objects_base), self.client)
+                found = self._shards[keys] = RemoteShard(keys, objects, self.plain)
             return found
 
     def close(self) -> None:

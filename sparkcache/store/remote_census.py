@@ -2,10 +2,12 @@
 manifests (read and decoded), access marks, pointers and objects under ``P/NS/`` (the key names:
 ``remote_keys``), each with its size and LastModified.
 
-Each identity is listed in this order: manifests, access marks, pointers, then objects. An upload
-PUTs its objects before its manifest and its pointers after it, so every manifest this census
-lists had all its objects in the bucket before the objects' listing began: an object it names
-that the listing lacks is missing (the entry is incomplete), not on its way.
+Every identity's manifests, access marks and pointers are listed first, then every identity's
+objects (a unit's objects are under its rank 0's digest, named by the manifests of all its ranks:
+``remote_keys``). An upload PUTs its objects before its manifest and its pointers after it, so
+every manifest this census lists had all its objects in the bucket before the objects' listing
+began: an object it names that the listing lacks is missing (the entry is incomplete), not on
+its way.
 
 Deletion only on positive knowledge: a listing that failed, or a manifest that could not be read
 or decoded, goes into ``unknown`` (with the key, why, and the fix), and the census stops there; a
@@ -113,12 +115,18 @@ class RemoteEntry:
     pointer_names: tuple[str, ...]
 
     @property
+    def object_names(self) -> frozenset[Named]:
+        """Its objects as the census names them: under its unit's digest."""
+        return frozenset((self.keys.unit_digest, d) for d in self.objects)
+
+    @property
     def last_access(self) -> float:
         """The last remote fetch's time (its access mark), else its upload's (its manifest)."""
         return max(self.manifest.modified, self.access.modified if self.access else 0.0)
 
 
-# A key of one identity: (identity digest, name: an object's digest, a pointer's name, an entry id).
+# A key of one identity: (identity digest, name: a pointer's name, an entry id), or of one unit:
+# (unit digest, an object's digest).
 Named = tuple[str, str]
 
 
@@ -172,10 +180,9 @@ class CensusSummary:
 
 
 def summarize(census: Census, max_bytes: int, grace_s: float, now: float) -> CensusSummary:
-    referenced = {(e.keys.identity_digest, d) for e in census.entries for d in e.objects}
+    referenced = frozenset().union(*(e.object_names for e in census.entries))
     unreferenced = [listed for named, listed in census.objects.items() if named not in referenced]
-    incomplete = sum(any((e.keys.identity_digest, d) not in census.objects for d in e.objects)
-                     for e in census.entries)
+    incomplete = sum(not e.object_names <= census.objects.keys() for e in census.entries)
     times = [e.last_access for e in census.entries]
     return CensusSummary(census.used_bytes, max_bytes, len({e.keys.identity_digest for e in census.entries}),
                          len(census.entries), incomplete, len(census.objects), len(census.pointers),
@@ -193,29 +200,30 @@ def take_census(bucket: SweepRequests, namespace: str) -> Census:
     found: dict[KeyKind, dict[Named, Listed]] = {kind: {} for kind in KeyKind}
     foreign = 0
     try:
-        identities = bucket.folders(top)
-        for idd in identities:
+        folders = []
+        for idd in bucket.folders(top):
             try:
-                keys = RemoteKeys(prefix, namespace, idd)
+                folders.append(RemoteKeys(prefix, namespace, idd))
             except ValueError:
                 foreign += 1
-                continue
-            manifests: list[tuple[str, Listed]] = []
-            for kind in (KeyKind.MANIFEST, KeyKind.ACCESS, KeyKind.POINTER, KeyKind.OBJECT):
-                for listed in bucket.list(keys.kind_prefix(kind)):
-                    parsed = parse_key(prefix, listed.key)
-                    if parsed is None or parsed.kind is not kind or parsed.keys != keys:
-                        foreign += 1
-                    elif kind is KeyKind.MANIFEST:
-                        manifests.append((parsed.name, listed))
-                    else:
-                        found[kind][(idd, parsed.name)] = listed
-            read = bucket.each(lambda item: (item, _manifest_bytes(bucket, item[1].key)), manifests)
-            for (entry_id, listed), data in read:
-                if data is None:
-                    continue  # deleted since it was listed
-                entries.append(_entry(keys, entry_id, listed, data, found[KeyKind.ACCESS],
-                                      bucket.location.where(listed.key)))
+        for kinds in ((KeyKind.MANIFEST, KeyKind.ACCESS, KeyKind.POINTER), (KeyKind.OBJECT,)):
+            for keys in folders:
+                manifests: list[tuple[str, Listed]] = []
+                for kind in kinds:
+                    for listed in bucket.list(keys.kind_prefix(kind)):
+                        parsed = parse_key(prefix, listed.key)
+                        if parsed is None or parsed.kind is not kind or parsed.keys != keys:
+                            foreign += 1
+                        elif kind is KeyKind.MANIFEST:
+                            manifests.append((parsed.name, listed))
+                        else:
+                            found[kind][(keys.identity_digest, parsed.name)] = listed
+                read = bucket.each(lambda item: (item, _manifest_bytes(bucket, item[1].key)), manifests)
+                for (entry_id, listed), data in read:
+                    if data is None:
+                        continue  # deleted since it was listed
+                    entries.append(_entry(keys, entry_id, listed, data, found[KeyKind.ACCESS],
+                                          bucket.location.where(listed.key)))
     except (OSError, ManifestError) as exc:
         return _census(top, entries, found, foreign, (str(exc),))
     return _census(top, entries, found, foreign, ())
@@ -242,6 +250,7 @@ def _entry(keys: RemoteKeys, entry_id: str, listed: Listed, data: bytes,
                             "remote-gc again") from None
     names = tuple(dict.fromkeys(pointer_name(manifest.block_keys[p])
                                 for p in pointer_positions(manifest.block_count)))
+    keys = RemoteKeys.of(keys.prefix, keys.namespace, manifest.identity)  # its objects: its unit's
     return RemoteEntry(keys, entry_id, listed, access.get((keys.identity_digest, entry_id)),
                        frozenset(ref.digest for ref in manifest.objects), manifest.objects, names)
 

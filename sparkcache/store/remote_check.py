@@ -73,7 +73,7 @@ def remote_check(bucket: RemoteBucket, namespace: str) -> CheckReport:
         except ManifestError as exc:
             faults.append(RemoteFault(key, str(exc.reason), str(exc)))
             continue
-        shard = bucket.shard(namespace, parsed.keys.identity_digest)
+        shard = bucket.shard(namespace, manifest.identity)
         bad = None
         for ref in manifest.objects:
             try:

@@ -150,7 +150,7 @@ class Fetcher:
                 raise _Miss(FetchReason.DEADLINE, "the deadline passed before a worker was free")
             if not keys:
                 raise _Miss(FetchReason.NOT_FOUND, "no block keys asked")
-            shard = self.bucket.shard(self.local.namespace, identity.digest())
+            shard = self.bucket.shard(self.local.namespace, identity)
             at, entry_id, manifest_get = self._deepest_pointer(shard, keys)
             data = manifest_get.result()
             manifest = self._manifest(shard, identity, keys, at, entry_id, data)

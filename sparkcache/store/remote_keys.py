@@ -1,10 +1,15 @@
 """The shared tier's key names in the bucket: one place, used by the tier and the capacity sweeper.
 
 Under the prefix ``P`` (``SPARKCACHE_REMOTE_PREFIX``), per namespace ``NS`` and per identity digest
-``IDD`` (``Identity.digest()``, 32 hex, whole; each tensor-parallel rank's shard has its own):
+``IDD`` (``Identity.digest()``, 32 hex, whole; each tensor-parallel rank's shard has its own), and
+its unit's digest ``UD`` (``Identity.unit_digest()``: rank 0's identity digest, the same for every
+rank of an entry; ``IDD`` itself at rank 0):
 
-- ``P/NS/IDD/objects/ab/<digest>``: page and state objects, the local objects' bytes (an
-  ``S3Location`` whose prefix is ``P/NS/IDD`` names them: ``RemoteKeys.base``);
+- ``P/NS/UD/objects/ab/<digest>``: page and state objects, the local objects' bytes (an
+  ``S3Location`` whose prefix is ``P/NS/UD`` names them: ``RemoteKeys.objects_base``). Objects are
+  named by their BLAKE3 digest, so the ranks of a replicated layout (MLA: every rank holds the
+  same latent pages) share theirs and the bucket holds them once; ranks whose bytes differ
+  (heads split across ranks) simply name different objects;
 - ``P/NS/IDD/manifests/<entry id>.mf``: the local manifest file's bytes, PUT (``If-None-Match: *``)
   once every object it names is in the bucket;
 - ``P/NS/IDD/keys/<block key>``: for each block key an entry holds at an indexed position
@@ -12,6 +17,8 @@ Under the prefix ``P`` (``SPARKCACHE_REMOTE_PREFIX``), per namespace ``NS`` and 
   uploaded first that holds it, PUT (``If-None-Match: *``) after that entry's manifest;
 - ``P/NS/IDD/access/<entry id>``: an empty object, PUT each time a replica fetches the entry (its
   LastModified is the entry's last remote access).
+So the objects under ``P/NS/UD/`` are named by the manifests under every ``P/NS/IDD/`` whose
+identity's unit digest is ``UD`` (the census and the sweeper count them so).
 
 A block key is used as it is when it is a plain hex name (``-`` allowed first, as a negative
 integer's key is); any other key is named ``h`` and the SHA-256 of its UTF-8 bytes, so every
@@ -26,6 +33,7 @@ import re
 from dataclasses import dataclass
 
 from ..settings import REMOTE_PREFIX_PATTERN, SettingsError, check_namespace
+from .identity import Identity
 from .layout import MANIFEST_SUFFIX, check_object_digest, is_entry_id, is_identity_digest, is_object_digest
 from .strides import indexed_positions
 
@@ -60,30 +68,46 @@ def pointer_positions(n_blocks: int) -> list[int]:
 
 @dataclass(frozen=True)
 class RemoteKeys:
-    """The keys of one identity's shard in one namespace under ``prefix``. Checked when made:
-    ``ValueError`` (``SettingsError`` for the prefix and the namespace) naming the value."""
+    """The keys of one identity's shard in one namespace under ``prefix``, its objects under its
+    unit's (``unit_digest``; the identity's own when not given: rank 0's shard, or a listing of
+    one digest's keys). Checked when made: ``ValueError`` (``SettingsError`` for the prefix and
+    the namespace) naming the value."""
 
     prefix: str
     namespace: str
     identity_digest: str
+    unit_digest: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix, str) or not re.fullmatch(REMOTE_PREFIX_PATTERN, self.prefix):
             raise SettingsError(f"SPARKCACHE_REMOTE_PREFIX={self.prefix!r}: not '/'-separated plain names; "
                                 f"allowed: matching {REMOTE_PREFIX_PATTERN}")
         check_namespace(self.namespace)
-        if not is_identity_digest(self.identity_digest):
-            raise ValueError(f"identity digest {self.identity_digest!r}: not 32 lower-case hex characters "
-                             "(Identity.digest(), whole)")
+        if not self.unit_digest:
+            object.__setattr__(self, "unit_digest", self.identity_digest)
+        for name in ("identity_digest", "unit_digest"):
+            if not is_identity_digest(getattr(self, name)):
+                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)!r}: not 32 lower-case hex "
+                                 "characters (Identity.digest() or unit_digest(), whole)")
+
+    @classmethod
+    def of(cls, prefix: str, namespace: str, identity: Identity) -> "RemoteKeys":
+        """The keys of ``identity``'s shard (an ``Identity``: its digest and its unit's)."""
+        return cls(prefix, namespace, identity.digest(), identity.unit_digest())
 
     @property
     def base(self) -> str:
         """``P/NS/IDD``: the prefix of every key of this shard (an ``S3Location`` prefix)."""
         return f"{self.prefix}/{self.namespace}/{self.identity_digest}"
 
+    @property
+    def objects_base(self) -> str:
+        """``P/NS/UD``: the prefix of this shard's objects, its unit's (an ``S3Location`` prefix)."""
+        return f"{self.prefix}/{self.namespace}/{self.unit_digest}"
+
     def object_key(self, digest: str) -> str:
         check_object_digest(digest)
-        return f"{self.base}/{OBJECTS}/{digest[:2]}/{digest}"
+        return f"{self.objects_base}/{OBJECTS}/{digest[:2]}/{digest}"
 
     def manifest_key(self, entry_id: str) -> str:
         return f"{self.base}/{MANIFESTS}/{_entry(entry_id)}{MANIFEST_SUFFIX}"
@@ -95,8 +119,9 @@ class RemoteKeys:
         return f"{self.base}/{ACCESS}/{_entry(entry_id)}"
 
     def kind_prefix(self, kind: KeyKind) -> str:
-        """The prefix (with its trailing '/') a listing of one kind of this shard's keys asks."""
-        return f"{self.base}/{kind.value}/"
+        """The prefix (with its trailing '/') a listing of one kind of this shard's keys asks
+        (its objects: its unit's)."""
+        return f"{self.objects_base if kind is KeyKind.OBJECT else self.base}/{kind.value}/"
 
 
 def namespace_prefix(prefix: str, namespace: str) -> str:

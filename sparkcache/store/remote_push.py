@@ -72,7 +72,7 @@ def push_entry(local: LocalEntries, bucket: RemoteBucket, entry_id: str) -> Push
     if found is None:
         raise EntryGone(entry_id)
     manifest, data = found
-    shard = bucket.shard(local.namespace, manifest.identity_digest)
+    shard = bucket.shard(local.namespace, manifest.identity)
     batch = shard.objects.put_batch(None)
     try:
         for ref in {r.digest: r for r in manifest.objects}.values():

@@ -184,7 +184,7 @@ def plan_sweep(bucket: SweepRequests, census: Census, max_bytes: int, grace_s: f
     old = lambda listed: listed.modified <= now - grace_s  # noqa: E731
     refs: Counter = Counter()
     for entry in census.entries:
-        refs.update((entry.keys.identity_digest, d) for d in entry.objects)
+        refs.update(entry.object_names)  # a unit's ranks may name the same objects (remote_keys)
     unreferenced = [listed for named, listed in census.objects.items() if not refs[named]]
     orphans = tuple(listed for listed in unreferenced if old(listed))
     used = census.used_bytes - sum(o.size for o in orphans)
@@ -193,8 +193,7 @@ def plan_sweep(bucket: SweepRequests, census: Census, max_bytes: int, grace_s: f
     def evict(entry: RemoteEntry, why: Why) -> None:
         nonlocal used
         freed = []
-        for digest in sorted(entry.objects):
-            named = (entry.keys.identity_digest, digest)
+        for named in sorted(entry.object_names):
             refs[named] -= 1
             if not refs[named] and named in census.objects:
                 freed.append(census.objects[named])
@@ -203,8 +202,7 @@ def plan_sweep(bucket: SweepRequests, census: Census, max_bytes: int, grace_s: f
 
     complete, incomplete = [], []
     for entry in census.entries:
-        idd = entry.keys.identity_digest
-        (complete if all((idd, d) in census.objects for d in entry.objects) else incomplete).append(entry)
+        (complete if entry.object_names <= census.objects.keys() else incomplete).append(entry)
     for entry in incomplete:
         evict(entry, Why.INCOMPLETE)
     by_age = [(e.last_access, e.keys.identity_digest, e.entry_id, e) for e in complete]

@@ -36,9 +36,12 @@ prefix cache; contracts/engine_driver.py, ``"phases"``):
 7. C and D restored from the forged entries, to the same depth: their tokens differ from
    the reference. So a wrong KV cache changes the output, and 5's equality means something.
 
-TP=2 (vLLM's own processes, one worker per rank): reference, ExampleConnector, cold,
-restored, and a flipped byte in an object of rank 1's shard (rank 0's shard names the same
-object) refused and recomputed.
+TP=2 (vLLM's own processes, one worker per rank): reference, ExampleConnector, cold (it also
+uploads both ranks' shards to the shared tier: the tests' SeaweedFS), restored, and a flipped
+byte in an object of rank 1's shard (rank 0's shard names the same object) refused and
+recomputed. A life on an empty root restores A and B from the bucket, where the unit's objects
+are stored once (the shared tier keeps a unit's objects under rank 0's identity: both ranks'
+shards name the same ones).
 
 Bytes on disk per entry (the object files under the store root, per prompt, and the
 manifests) at TP=1 and TP=2 are printed (``pytest -s``) and compared: each rank publishes its
@@ -49,13 +52,16 @@ rank 1's pages are rank 0's bytes, so TP=2 stores TP=1's object bytes plus a man
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
+import obstore
 import pytest
 
 from sparkcache.store import PageStore
 
 from .conftest import flip_byte, forge_entry, long_prompt, metric, run_engine, stored_entry
+from .test_engine_remote import bucket_check, remote_extra
 from .test_engine_tp import _tp_env
 from .test_engine_tp import run_engine as run_engine_tp
 
@@ -122,17 +128,28 @@ def tp1(deepseek_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp2(deepseek_model, tmp_path_factory):
+def tp2(deepseek_model, tmp_path_factory, seaweedfs):
     root = tmp_path_factory.mktemp("mla-store-tp2")
     env = _tp_env()
     base = {"model": deepseek_model, **ENGINE, "tensor_parallel_size": 2}
     rw = {**base, "connector": "sparkcache", "extra": {"root": str(root), "min_span_tokens": 64},
           "check_units": {"root": str(root), "ranks": 2}}  # publications settled before the next
+    prefix = f"mla/{uuid.uuid4().hex[:8]}"
+    remote_env = {**env, **seaweedfs.endpoint.aws_env()}
     out = {"reference": run_engine_tp({**base, "connector": "none", "prompts": [A, B]}, timeout=600, env=env)}
     example = {**base, "connector": "example", "example_path": str(tmp_path_factory.mktemp("example-tp2"))}
     out["example"] = run_engine_tp({**example, "phases": [{"prompts": [A, B]}] * 2}, timeout=600,
                                    env=env)["phases"][1]
-    out["cold"] = run_engine_tp({**rw, "prompts": [A, B]}, timeout=600, env=env)
+    out["cold"] = run_engine_tp({**rw, "prompts": [A, B], "extra": remote_extra(seaweedfs, root, prefix)},
+                                timeout=600, env=remote_env)
+    out["bucket_check"] = bucket_check(seaweedfs, prefix)
+    raw = seaweedfs.raw_store()
+    out["bucket_object_bytes"] = sum(m["size"] for chunk in obstore.list(raw, prefix) for m in chunk
+                                     if "/objects/" in m["path"])
+    fresh = tmp_path_factory.mktemp("mla-store-tp2-from-bucket")
+    out["from_bucket"] = run_engine_tp({**rw, "prompts": [A, B], "extra": remote_extra(seaweedfs, fresh, prefix),
+                                        "check_units": {"root": str(fresh), "ranks": 2}},
+                                       timeout=600, env=remote_env)
     store = PageStore(str(root), read_only=True)
     out["bytes"], out["manifest_bytes"] = file_bytes(root, "objects"), file_bytes(root, "manifests")
     out["shards"] = sorted((e.manifest.identity.tp_rank, len(e.manifest.block_keys)) for e in store.entries())
@@ -226,6 +243,22 @@ def test_tp2_restart_restores_both_ranks_with_identical_output(tp2):
     entry_blocks = (LENGTH + MAX_TOKENS - 1) // BLOCK  # a finished request's computed tokens
     assert tp2["shards"] == [(0, entry_blocks)] * 2 + [(1, entry_blocks)] * 2
     _assert_restored(tp2["restored"], ref, tp2["example"], "TP=2")
+
+
+def test_tp2_the_bucket_holds_the_units_objects_once_and_an_empty_root_restores_from_it(tp2):
+    """Both ranks uploaded their shards; the bucket's objects are the local root's (where the
+    ranks' identical pages are one file each), not twice them; a life on an empty root restores
+    A and B from the bucket with the reference's tokens, every restored token from the tier."""
+    report = tp2["bucket_check"]
+    assert report.clean and report.entries == 4, report  # two prompts x two ranks' shards
+    assert tp2["same_pages"]
+    assert tp2["bucket_object_bytes"] == tp2["bytes"], (tp2["bucket_object_bytes"], tp2["bytes"])
+    print(f"\nMLA TP=2 in the bucket: {tp2['bucket_object_bytes']} object bytes for two prompts "
+          f"(the local root's: {tp2['bytes']})")
+    result = tp2["from_bucket"]
+    _assert_restored(result, tp2["reference"]["results"], tp2["example"], "TP=2 from the bucket")
+    assert [r["remote_tokens"] for r in _records(result)] == [REUSABLE] * 2
+    assert metric(result, "vllm:sparkcache_remote_fetch_hits") == 4  # each rank's shard of A and B
 
 
 def test_tp2_flipped_byte_in_rank_1s_shard_is_refused_and_recomputed(tp2):

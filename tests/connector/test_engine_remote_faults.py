@@ -66,7 +66,7 @@ def _flip_remote_object(server, root, prefix: str) -> str:
     """One byte of the middle page object of D's entry flipped in the bucket; its key."""
     store = PageStore(str(root), read_only=True)
     m = stored_entry(store, D, BLOCK, REUSABLE // BLOCK).manifest
-    key = RemoteKeys(prefix, "default", m.identity_digest).object_key(m.pages[len(m.pages) // 2].digest)
+    key = RemoteKeys.of(prefix, "default", m.identity).object_key(m.pages[len(m.pages) // 2].digest)
     raw = server.raw_store()
     data = bytearray(obstore.get(raw, key).bytes())
     data[len(data) // 2] ^= 1

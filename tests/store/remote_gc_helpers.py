@@ -49,7 +49,7 @@ class RemoteNamespace:
         self.location = S3Location(server.endpoint.bucket, prefix or f"tests/{uuid.uuid4().hex}",
                                    server.endpoint.url, **bounds)
         self.keys = RemoteKeys(self.location.prefix, NAMESPACE, IDENT.digest())
-        self.objects = S3Backend(S3Location(self.location.bucket, self.keys.base, self.location.endpoint,
+        self.objects = S3Backend(S3Location(self.location.bucket, self.keys.objects_base, self.location.endpoint,
                                             **bounds))
         self.store = PageStore(str(store_root), page_blocks=4, max_bytes=1 << 30, low_watermark_bytes=1 << 29)
         self.raw = server.raw_store()

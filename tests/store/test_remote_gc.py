@@ -7,6 +7,7 @@ and says why; two sweepers at once leave the bucket consistent."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -352,3 +353,50 @@ def test_the_tiers_own_uploads_and_fetches_then_a_pass_leave_every_fetch_a_hit_o
     finally:
         for tier in (up, mid, down):
             tier.close()
+
+
+def test_a_unit_s_ranks_share_their_objects_and_evicting_one_rank_s_shard_keeps_what_the_other_names(
+        seaweedfs, monkeypatch, tmp_path):
+    """Rank 0's and rank 1's shards of one prompt share two pages and differ in the third (the
+    shared tier keeps a unit's objects once, under rank 0's identity: remote_keys). Over the
+    bound by the third page, rank 0's shard (never fetched) goes and frees only its own page;
+    rank 1's is fetched whole after, and the census counts each shared page once."""
+    a, b = two_stores(tmp_path)
+    rank1 = dataclasses.replace(IDENT, tp_rank=1)
+    prefix = fresh_prefix()
+    up, down = (tier_of(seaweedfs, monkeypatch, store, prefix) for store in (a, b))
+    try:
+        keys = [f"{i:08x}{'a1' * 12}" for i in range(1, 13)]
+        shared, own0, own1 = random_pages(2, 3000), random_pages(1, 3000), random_pages(1, 2000)
+        e0 = a.publish(IDENT, keys, shared + own0).entry_id
+        e1 = a.publish(rank1, keys, shared + own1).entry_id
+        for entry_id in (e0, e1):
+            assert up.upload(entry_id) and up.uploads.wait_idle(60), up.uploads.last_error
+        tick()
+        assert down.fetch(rank1, keys).hit and down.fetcher.marks_sent(10)  # rank 1's is the newer
+        location = S3Location(seaweedfs.endpoint.bucket, prefix, seaweedfs.endpoint.url)
+        used = sum(size for key, size in remote_keys_of(seaweedfs, prefix).items() if "/objects/" in key)
+        assert used == 3 * 3000 + 2000
+        requests = SweepRequests(location)
+        try:
+            census = take_census(requests, "default")
+        finally:
+            requests.close()
+        assert census.used_bytes == used and len(census.entries) == 2 and census.complete
+        report = sweep(location, "default", used - 1, GRACE_S)
+        assert report.stopped_by is StoppedBy.DONE and report.entries_evicted == 1, report
+        assert report.bytes_freed == 3000 and report.used_bytes_after == used - 3000, report
+        fresh = open_store(tmp_path / "c")
+        again = tier_of(seaweedfs, monkeypatch, fresh, prefix)
+        try:
+            assert again.fetch(IDENT, keys).reason is FetchReason.NOT_FOUND
+            got = again.fetch(rank1, keys)
+            assert got.hit and got.entry_id == e1, got
+            assert fresh.read_pages(list(fresh.entry(e1).manifest.objects)) == shared + own1
+        finally:
+            again.close()
+        report = up.check()
+        assert report.clean and report.entries == 1, report
+    finally:
+        up.close()
+        down.close()

@@ -4,11 +4,14 @@ that is none of ours (another prefix, a malformed name) is read as None."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sparkcache.settings import SettingsError
+from sparkcache.store.identity import Identity
 from sparkcache.store.remote_keys import (KeyKind, RemoteKeys, namespace_prefix, parse_key, pointer_name,
                                           pointer_positions)
 from sparkcache.store.s3_location import S3Location
@@ -28,6 +31,22 @@ def test_each_kind_is_named_under_the_identity() -> None:
     assert KEYS.access_key(EID) == f"sc/tier/prod/{IDD}/access/{EID}"
     assert KEYS.kind_prefix(KeyKind.MANIFEST) == f"sc/tier/prod/{IDD}/manifests/"
     assert namespace_prefix("sc/tier", "prod") == "sc/tier/prod/"
+
+
+def test_a_ranks_objects_are_its_units_and_the_rest_its_own() -> None:
+    rank0 = Identity("m", "bf16:L2", 16, 0, "lock")
+    rank1 = dataclasses.replace(rank0, tp_rank=1)
+    assert rank1.unit_digest() == rank0.unit_digest() == rank0.digest() != rank1.digest()
+    keys = RemoteKeys.of("sc/tier", "prod", rank1)
+    assert keys == RemoteKeys("sc/tier", "prod", rank1.digest(), rank0.digest())
+    assert keys.object_key(DIGEST) == RemoteKeys.of("sc/tier", "prod", rank0).object_key(DIGEST)
+    assert keys.kind_prefix(KeyKind.OBJECT) == f"sc/tier/prod/{rank0.digest()}/objects/"
+    assert keys.manifest_key(EID) == f"sc/tier/prod/{rank1.digest()}/manifests/{EID}.mf"
+    assert keys.pointer_key("c0ffee").startswith(keys.base + "/keys/") and keys.base != keys.objects_base
+    assert S3Location("bucket", prefix=keys.objects_base).key(DIGEST) == keys.object_key(DIGEST)
+    assert parse_key("sc/tier", keys.object_key(DIGEST)).keys == RemoteKeys("sc/tier", "prod", rank0.digest())
+    with pytest.raises(ValueError, match="unit digest"):
+        RemoteKeys("sc", "prod", IDD, "x" * 32)
 
 
 def test_an_object_key_is_the_s3_backends_own() -> None:

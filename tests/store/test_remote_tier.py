@@ -16,7 +16,7 @@ from remote_helpers import (KillingLocal, fresh_prefix, manifest_file_bytes, ran
 from sparkcache.store import Identity, PageStore
 from sparkcache.store.remote_counts import (CORRUPT_REMOVED, FETCH_HITS, FETCHED_BYTES, MISS_KEYS, SKIP_KEYS,
                                             UPLOADS_DONE, FetchReason, UploadSkip)
-from sparkcache.store.remote_keys import RemoteKeys
+from sparkcache.store.remote_keys import KeyKind, RemoteKeys
 from store_helpers import IDENT, run_cli
 
 OTHER = Identity("tiny-llama", "fp16:L2:H4:D32", 16, 1, "lock-abc")  # another rank's shard
@@ -80,6 +80,31 @@ def test_a_hybrid_entry_comes_with_its_state_object(pair):
     _same_entry(pair.a, pair.b, entry_id)
     assert pair.b.entry(entry_id).manifest.state is not None
     assert pair.b.lookup(IDENT, keys, with_state=True).hit_blocks == 20
+
+
+def test_the_ranks_of_a_replicated_layout_store_their_shared_objects_once(pair, seaweedfs):
+    """MLA's KV cache is replicated, not split by heads: every tensor-parallel rank's shard holds
+    the same page bytes under its own identity (tests/connector/test_engine_mla.py). The bucket
+    keeps a unit's objects once, under its rank 0's identity; each rank's manifest and pointers
+    stay under its own, and each rank's shard is fetched whole from them."""
+    pages = random_pages(10, 3000)
+    shards = [pair.a.publish(identity, HEX_KEYS, pages) for identity in (IDENT, OTHER)]
+    assert all(r.ok for r in shards) and shards[0].entry_id != shards[1].entry_id
+    for r in shards:
+        _upload(pair.up, r.entry_id)
+    listed = remote_keys_of(seaweedfs, pair.prefix)
+    objects = {k: n for k, n in listed.items() if f"/{KeyKind.OBJECT.value}/" in k}
+    assert sorted(objects.values()) == [len(p) for p in pages]  # each page's bytes once
+    assert all(k.startswith(pair.mine.kind_prefix(KeyKind.OBJECT)) for k in objects), sorted(objects)
+    theirs = RemoteKeys(pair.prefix, "default", OTHER.digest())
+    assert theirs.manifest_key(shards[1].entry_id) in listed and theirs.pointer_key(HEX_KEYS[0]) in listed
+    report = pair.up.check()
+    assert report.clean and report.entries == 2, report
+    result = pair.down.fetch(OTHER, HEX_KEYS)
+    assert result.hit and result.entry_id == shards[1].entry_id, result
+    _same_entry(pair.a, pair.b, shards[1].entry_id)
+    assert pair.down.fetch(IDENT, HEX_KEYS).hit
+    assert pair.b.lookup(IDENT, HEX_KEYS).hit_blocks == pair.b.lookup(OTHER, HEX_KEYS).hit_blocks == 40
 
 
 def test_nothing_there_is_a_miss_and_asked_again_only_after_the_negative_cache(pair):
