@@ -22,7 +22,8 @@ from remote_gc_helpers import NAMESPACE, RemoteNamespace, tick
 from remote_helpers import fresh_prefix, random_pages, remote_keys_of, tier_of, two_stores
 from sparkcache.store.remote_census import SweepRequests, take_census
 from sparkcache.store.remote_counts import FetchReason
-from sparkcache.store.remote_keys import KeyKind
+from sparkcache.store.identity import Identity
+from sparkcache.store.remote_keys import KeyKind, RemoteKeys
 from sparkcache.store.remote_sweeper import StoppedBy, Why, apply_sweep, plan_sweep, sweep
 from sparkcache.store.s3_location import S3Location
 from store_helpers import IDENT, open_store, run_cli
@@ -400,3 +401,62 @@ def test_a_unit_s_ranks_share_their_objects_and_evicting_one_rank_s_shard_keeps_
     finally:
         up.close()
         down.close()
+
+
+class _UploadWhileListing(SweepRequests):
+    """The sweeper's requests, with ``action`` run once right after the listing of ``prefix``
+    (an upload that lands between two of the census's listings, on the real server)."""
+
+    def __init__(self, location: S3Location, prefix: str, action) -> None:
+        super().__init__(location)
+        self.prefix, self.action = prefix, action
+
+    def list(self, prefix: str):
+        listed = super().list(prefix)
+        if prefix == self.prefix and self.action is not None:
+            self.action, action = None, self.action
+            action()
+        return listed
+
+
+def test_a_rank_s_upload_landing_between_the_census_s_listings_is_not_taken_for_an_incomplete_entry(
+        seaweedfs, monkeypatch, tmp_path):
+    """Rank 1's shard is uploaded (a new object under the unit's prefix, then its manifest under
+    its own) right after the census listed the unit's objects. Every manifest is listed before
+    any object, so the census either has rank 1's manifest with its object or neither: nothing
+    is incomplete and a pass deletes nothing. (Listing each identity's manifests then its objects
+    in turn, with the unit's folder first, took rank 1's entry for incomplete and dropped it.)"""
+    rank0 = next(i for i in (Identity(f"m{k}", "bf16:L2", 16, 0, "lock") for k in range(64))
+                 if i.digest() < dataclasses.replace(i, tp_rank=1).digest())  # the unit's folder listed first
+    rank1 = dataclasses.replace(rank0, tp_rank=1)
+    a = open_store(tmp_path / "a")
+    prefix = fresh_prefix()
+    up = tier_of(seaweedfs, monkeypatch, a, prefix)
+    location = S3Location(seaweedfs.endpoint.bucket, prefix, seaweedfs.endpoint.url)
+    try:
+        keys = [f"{i:08x}{'b2' * 12}" for i in range(1, 9)]
+        shared = random_pages(1, 3000)
+        e0 = a.publish(rank0, keys, shared + random_pages(1, 3000)).entry_id
+        e1 = a.publish(rank1, keys, shared + random_pages(1, 2000)).entry_id
+        earlier = a.publish(rank1, [f"{i:08x}{'c3' * 12}" for i in range(1, 5)], random_pages(1, 1000)).entry_id
+        for entry_id in (e0, earlier):  # rank 1's prefix is there when the census starts
+            assert up.upload(entry_id) and up.uploads.wait_idle(60), up.uploads.last_error
+
+        def upload_rank1() -> None:
+            assert up.upload(e1) and up.uploads.wait_idle(60), up.uploads.last_error
+
+        units = RemoteKeys.of(prefix, "default", rank0)
+        requests = _UploadWhileListing(location, units.kind_prefix(KeyKind.OBJECT), upload_rank1)
+        try:
+            census = take_census(requests, "default")
+            assert requests.action is None  # the upload ran between the listings
+            plan = plan_sweep(requests, census, 1 << 30, GRACE_S)
+        finally:
+            requests.close()
+        assert census.complete and {e.entry_id for e in census.entries} == {e0, earlier}, census.entries
+        assert not plan.evictions and not plan.orphans, plan
+        report = sweep(location, "default", 1 << 30, GRACE_S)
+        assert report.entries_evicted == 0 and report.stopped_by is StoppedBy.DONE, report
+        assert up.check().clean and up.check().entries == 3
+    finally:
+        up.close()
