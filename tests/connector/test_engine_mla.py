@@ -41,7 +41,7 @@ uploads both ranks' shards to the shared tier: the tests' SeaweedFS), restored, 
 byte in an object of rank 1's shard (rank 0's shard names the same object) refused and
 recomputed. A life on an empty root restores A and B from the bucket, where the unit's objects
 are stored once (the shared tier keeps a unit's objects under rank 0's identity: both ranks'
-shards name the same ones).
+shards name the same ones), one prompt a phase.
 
 Bytes on disk per entry (the object files under the store root, per prompt, and the
 manifests) at TP=1 and TP=2 are printed (``pytest -s``) and compared: each rank publishes its
@@ -74,6 +74,7 @@ A, B, C, D = (long_prompt(LENGTH, seed=s) for s in (61, 62, 63, 64))
 REUSABLE = (LENGTH - 1) // BLOCK * BLOCK  # whole blocks, never the last prompt token: 992
 LAYERS = 2  # the MLA layers, each one block of 16 x 576 fp32 per page block
 LOGPROB_TOL = 1e-5
+BUCKET_DEADLINE_S = 300  # the restoring life's fetch deadline and request timeout (the tp2 fixture)
 ENGINE = {"max_tokens": MAX_TOKENS, "block_size": BLOCK, "attention_backend": "CPU_MLA", "logprobs": True}
 
 
@@ -147,9 +148,13 @@ def tp2(deepseek_model, tmp_path_factory, seaweedfs):
     out["bucket_object_bytes"] = sum(m["size"] for chunk in obstore.list(raw, prefix) for m in chunk
                                      if "/objects/" in m["path"])
     fresh = tmp_path_factory.mktemp("mla-store-tp2-from-bucket")
-    out["from_bucket"] = run_engine_tp({**rw, "prompts": [A, B], "extra": remote_extra(seaweedfs, fresh, prefix),
+    # one prompt a phase, as the other engine tests that restore from the bucket serve theirs;
+    # beside this life the tests' SeaweedFS was seen to stop answering for 50 and 61 s in a row
+    # (docs/RESULTS.md, "The tests' S3 server stalls"): its fetches get BUCKET_DEADLINE_S
+    out["from_bucket"] = run_engine_tp({**rw, "phases": [{"prompts": [A]}, {"prompts": [B]}],
+                                        "extra": remote_extra(seaweedfs, fresh, prefix, BUCKET_DEADLINE_S),
                                         "check_units": {"root": str(fresh), "ranks": 2}},
-                                       timeout=600, env=remote_env)
+                                       timeout=900, env=remote_env)
     store = PageStore(str(root), read_only=True)
     out["bytes"], out["manifest_bytes"] = file_bytes(root, "objects"), file_bytes(root, "manifests")
     out["shards"] = sorted((e.manifest.identity.tp_rank, len(e.manifest.block_keys)) for e in store.entries())
@@ -255,10 +260,14 @@ def test_tp2_the_bucket_holds_the_units_objects_once_and_an_empty_root_restores_
     assert tp2["bucket_object_bytes"] == tp2["bytes"], (tp2["bucket_object_bytes"], tp2["bytes"])
     print(f"\nMLA TP=2 in the bucket: {tp2['bucket_object_bytes']} object bytes for two prompts "
           f"(the local root's: {tp2['bytes']})")
-    result = tp2["from_bucket"]
-    _assert_restored(result, tp2["reference"]["results"], tp2["example"], "TP=2 from the bucket")
-    assert [r["remote_tokens"] for r in _records(result)] == [REUSABLE] * 2
-    assert metric(result, "vllm:sparkcache_remote_fetch_hits") == 4  # each rank's shard of A and B
+    life = tp2["from_bucket"]
+    for i, (result, name) in enumerate(zip(life["phases"], "AB")):
+        assert [r["remote_tokens"] for r in _records(result)] == [REUSABLE], \
+            (name, _records(result), {k: v for k, v in result["metrics"].items() if "remote" in k and v},
+             [x for x in life["log"].splitlines() if "sparkcache" in x and "INFO" not in x])
+        _assert_restored(result, tp2["reference"]["results"][i:i + 1], {"results": tp2["example"]["results"][i:i + 1]},
+                         f"TP=2 from the bucket, {name}")
+        assert metric(result, "vllm:sparkcache_remote_fetch_hits") == 2  # each rank's shard
 
 
 def test_tp2_flipped_byte_in_rank_1s_shard_is_refused_and_recomputed(tp2):

@@ -72,10 +72,10 @@ def aws_env(server):
 FETCH_DEADLINE_S = 120
 
 
-def remote_extra(server, root, prefix: str) -> dict:
+def remote_extra(server, root, prefix: str, deadline_s: float = FETCH_DEADLINE_S) -> dict:
     return {"root": str(root), "min_span_tokens": 64, "remote_bucket": server.endpoint.bucket,
             "remote_endpoint": server.endpoint.url, "remote_prefix": prefix,
-            "remote_fetch_deadline_seconds": FETCH_DEADLINE_S, "remote_timeout_seconds": FETCH_DEADLINE_S}
+            "remote_fetch_deadline_seconds": deadline_s, "remote_timeout_seconds": deadline_s}
 
 
 def location(server, prefix: str) -> S3Location:
