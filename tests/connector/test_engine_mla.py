@@ -74,7 +74,6 @@ A, B, C, D = (long_prompt(LENGTH, seed=s) for s in (61, 62, 63, 64))
 REUSABLE = (LENGTH - 1) // BLOCK * BLOCK  # whole blocks, never the last prompt token: 992
 LAYERS = 2  # the MLA layers, each one block of 16 x 576 fp32 per page block
 LOGPROB_TOL = 1e-5
-BUCKET_DEADLINE_S = 300  # the restoring life's fetch deadline and request timeout (the tp2 fixture)
 ENGINE = {"max_tokens": MAX_TOKENS, "block_size": BLOCK, "attention_backend": "CPU_MLA", "logprobs": True}
 
 
@@ -148,11 +147,10 @@ def tp2(deepseek_model, tmp_path_factory, seaweedfs):
     out["bucket_object_bytes"] = sum(m["size"] for chunk in obstore.list(raw, prefix) for m in chunk
                                      if "/objects/" in m["path"])
     fresh = tmp_path_factory.mktemp("mla-store-tp2-from-bucket")
-    # one prompt a phase, as the other engine tests that restore from the bucket serve theirs;
-    # beside this life the tests' SeaweedFS was seen to stop answering for 50 and 61 s in a row
-    # (docs/RESULTS.md, "The tests' S3 server stalls"): its fetches get BUCKET_DEADLINE_S
+    # one prompt a phase, as the other engine tests that restore from the bucket serve theirs
+    # (their fetches ride out the tests' SeaweedFS's stalls: test_engine_remote.FETCH_DEADLINE_S)
     out["from_bucket"] = run_engine_tp({**rw, "phases": [{"prompts": [A]}, {"prompts": [B]}],
-                                        "extra": remote_extra(seaweedfs, fresh, prefix, BUCKET_DEADLINE_S),
+                                        "extra": remote_extra(seaweedfs, fresh, prefix),
                                         "check_units": {"root": str(fresh), "ranks": 2}},
                                        timeout=900, env=remote_env)
     store = PageStore(str(root), read_only=True)

@@ -81,6 +81,9 @@ def _link_out(kind: str, store, outside: Path) -> None:
     with bait there named like what the store would create or delete."""
     lay = store.layout
     p = _paths(store)
+    # the access marks of _paths' own lookups are recorded by a thread, later: recorded now,
+    # inside the root, not after the move below (CI once saw one land on a moved manifest)
+    assert store.accesses.flush()
     if kind == "staging":
         out = outside / "staging"
         token = hex_name(24)
