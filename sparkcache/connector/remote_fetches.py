@@ -11,6 +11,10 @@ again and offers what is local now. However a fetch goes, it ends within
 ``SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS`` (the tier's bound); a fetch asked about past that
 bound and a grace is given up here too, as a miss, so a request never waits past it.
 
+``wait(timeout_s)`` blocks until any running fetch ended, at most ``timeout_s``: what the
+scheduler does in a step with nothing else to do (``scheduler_side``), rather than answer at once
+and have vLLM step again straight away.
+
 One fetch per request: a request that had its outcome is not fetched again (``forget`` at its
 end). Negative answers are cached by the tier (``SPARKCACHE_REMOTE_NEGATIVE_CACHE_SECONDS``).
 """
@@ -18,7 +22,7 @@ end). Negative answers are cached by the tier (``SPARKCACHE_REMOTE_NEGATIVE_CACH
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +73,7 @@ class RemoteFetches:
         self._pool = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix="sparkcache-remote")
         self._running: dict[str, _Running] = {}
         self._done: set[str] = set()  # requests whose outcome was given: not fetched again
+        self.idle_waits = 0  # calls of ``wait`` (how often the scheduler held a step for a fetch)
 
     def pending(self) -> bool:
         return bool(self._running)
@@ -89,6 +94,13 @@ class RemoteFetches:
         del self._running[req_id]
         self._done.add(req_id)
         return self._outcome(running, now)
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a running fetch ended, or ``timeout_s`` passed (at once when none runs)."""
+        futures = [f for running in self._running.values() for f in running.futures]
+        if futures:
+            self.idle_waits += 1
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def _outcome(self, running: _Running, now: float) -> UnitFetch:
         results = [f.result() if f.done() and f.exception() is None else

@@ -2,7 +2,9 @@
 miss starts a fetch of every rank's shard off the scheduler's thread and the request is skipped
 (``get_num_new_matched_tokens`` answers None) until the fetch ended; then the entry is local and
 offered, and the record says ``remote_tokens``. With the server hung (SIGSTOP), every step stays
-short and the request is scheduled, to recompute, once the fetch deadline passed.
+short and the request is scheduled, to recompute, once the fetch deadline passed; an engine with
+nothing else to do waits for the fetch a little each step instead of stepping back to back, and
+one with running requests never does.
 
 Real parts: vLLM's Scheduler, the connector's scheduler half, stores on disk, the tests'
 SeaweedFS on 127.0.0.1. The worker's reports are synthetic (``scheduler_scenarios``).
@@ -114,3 +116,51 @@ def test_a_hung_server_never_holds_the_scheduler_and_the_request_recomputes_afte
     finish_all(s)
     rec = record_of(s, "r")
     assert (rec["external_tokens"], rec["remote_tokens"], rec["recomputed_tokens"]) == (0, 0, 200), rec
+
+
+def _steps_within(s, seconds: float) -> int:
+    """Engine steps, one after another with nothing between (vLLM's busy loop), for ``seconds``."""
+    n, until = 0, time.monotonic() + seconds
+    while time.monotonic() < until:
+        _step(s)
+        n += 1
+    return n
+
+
+def test_an_engine_with_nothing_else_to_do_waits_for_the_fetch_instead_of_spinning(tmp_path, seaweedfs, monkeypatch):
+    """vLLM steps again at once while a request is skipped: with nothing else scheduled, every
+    step would be an empty forward on every worker, as fast as they go, taking the CPUs the fetch
+    (and the server it reads) needs. An idle step waits for the fetch a while instead."""
+    from sparkcache.connector.scheduler_side import IDLE_FETCH_WAIT_S
+
+    _aws(monkeypatch, seaweedfs)
+    s = make_scheduler(str(tmp_path / "b"), hybrid=False,
+                       extra={**_remote(seaweedfs, f"sched/{uuid.uuid4().hex[:8]}"), "remote_fetch_deadline_seconds": 30})
+    s.add_request(request("r", _prompt(200, 5)))
+    os.kill(seaweedfs.proc.pid, signal.SIGSTOP)
+    try:
+        _step(s)  # starts the fetch
+        seconds = 1.0
+        steps = _steps_within(s, seconds)
+    finally:
+        os.kill(seaweedfs.proc.pid, signal.SIGCONT)
+    assert steps <= seconds / IDLE_FETCH_WAIT_S + 5, steps
+    assert s.connector._sched.remote.running("r")  # still fetching: no outcome given
+
+
+def test_a_step_with_running_requests_never_waits_for_a_fetch(tmp_path, seaweedfs, monkeypatch):
+    from sparkcache.connector.scheduler_side import IDLE_FETCH_WAIT_S
+
+    _aws(monkeypatch, seaweedfs)
+    s = make_scheduler(str(tmp_path / "b"), hybrid=False,
+                       extra={**_remote(seaweedfs, f"sched/{uuid.uuid4().hex[:8]}"), "remote_fetch_deadline_seconds": 30})
+    s.add_request(request("busy", _prompt(40, 6), max_tokens=100_000))
+    _until_scheduled(s, "busy")  # its own fetch missed: it runs, and every later step decodes it
+    s.add_request(request("r", _prompt(200, 7)))
+    os.kill(seaweedfs.proc.pid, signal.SIGSTOP)
+    try:
+        longest = max(_step(s)[1] for _ in range(50))
+    finally:
+        os.kill(seaweedfs.proc.pid, signal.SIGCONT)
+    assert s.connector._sched.remote.running("r")
+    assert s.connector._sched.remote.idle_waits == 0 and longest < 10 * IDLE_FETCH_WAIT_S, longest
