@@ -82,6 +82,7 @@ def make_scheduler(
     max_model_len: int = 65536,
     max_num_batched_tokens: int = 8192,
     tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
     kv_cache_config: Any = None,
     speculative: dict[str, Any] | None = None,
     model: str | None = None,
@@ -113,7 +114,7 @@ def make_scheduler(
         model=model or tiny_model_config_dir(), dtype="float32", seed=0, skip_tokenizer_init=model is None,
         max_model_len=max_model_len
     )
-    parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
     drafter = None
     if speculative is not None:
         spec = dict(speculative)

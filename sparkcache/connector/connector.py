@@ -224,6 +224,10 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self.settings, identities, stores, self.block_size, layout,
                                         len(kv_cache_config.kv_cache_groups), remote)
             self._sched.num_workers = max(1, int(getattr(vllm_config.parallel_config, "world_size", 1)))
+            if int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1) > 1:
+                # data-parallel engines step in lockstep (an idle one runs a dummy batch each
+                # step): one waiting for its fetch would hold every other's step
+                self._sched.idle_fetch_wait_s = 0.0
         else:
             rank, ranks = _worker_ranks()
             self.rank = rank
@@ -273,6 +277,7 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
             loads, captures = self._sched.build_meta(scheduler_output)
         # the last scheduler hook of schedule(): a step is from one call to the next
         self._sched.samples.add("scheduler_step_seconds", self._take_step_s())
+        self._sched.wait_for_fetches_when_idle(scheduler_output)  # not the hooks' time: a wait
         return SparkcacheConnectorMetadata(loads, captures, prefill_tokens(
             scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens))
 

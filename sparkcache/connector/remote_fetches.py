@@ -11,9 +11,9 @@ again and offers what is local now. However a fetch goes, it ends within
 ``SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS`` (the tier's bound); a fetch asked about past that
 bound and a grace is given up here too, as a miss, so a request never waits past it.
 
-``wait(timeout_s)`` blocks until any running fetch ended, at most ``timeout_s``: what the
-scheduler does in a step with nothing else to do (``scheduler_side``), rather than answer at once
-and have vLLM step again straight away.
+``wait(timeout_s)`` blocks until a rank's fetch still running ends, at most ``timeout_s``: what
+the scheduler does at the end of a step that scheduled nothing (``scheduler_side``), rather than
+have vLLM step again straight away.
 
 One fetch per request: a request that had its outcome is not fetched again (``forget`` at its
 end). Negative answers are cached by the tier (``SPARKCACHE_REMOTE_NEGATIVE_CACHE_SECONDS``).
@@ -96,11 +96,13 @@ class RemoteFetches:
         return self._outcome(running, now)
 
     def wait(self, timeout_s: float) -> None:
-        """Until a running fetch ended, or ``timeout_s`` passed (at once when none runs)."""
-        futures = [f for running in self._running.values() for f in running.futures]
-        if futures:
+        """Until a rank's fetch still running ends, or ``timeout_s`` passed (at once when none
+        runs). Fetches that ended are left out: one rank's shard fetched while another's runs
+        must not end every wait at once."""
+        running = [f for fetch in self._running.values() for f in fetch.futures if not f.done()]
+        if running:
             self.idle_waits += 1
-            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+            wait(running, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def _outcome(self, running: _Running, now: float) -> UnitFetch:
         results = [f.result() if f.done() and f.exception() is None else

@@ -18,10 +18,11 @@ Per request it keeps one ``_ReqState``. The flow:
   than the prompt could use, every rank's shard is fetched from it off this thread
   (``remote_fetches``) while vLLM is answered None (it skips the request this step and asks
   again); once the fetch ended (by its deadline at the latest) the local lookup is done again.
-  vLLM steps again at once after a skip, so in a step that follows one that scheduled nothing
-  (the engine has nothing else to do) the scheduler waits for the fetch up to
-  ``IDLE_FETCH_WAIT_S`` first, once a step: otherwise every step would be an empty forward on
-  every worker, back to back, taking the CPUs the fetch itself needs.
+  vLLM steps again at once after a skip (a millisecond's sleep), so a step that scheduled
+  nothing, with no load in flight, waits for a running fetch up to ``idle_fetch_wait_s``
+  at its end (``wait_for_fetches_when_idle``): otherwise every step of an engine with nothing
+  else to do would be an empty forward on every worker, back to back, taking the CPUs the
+  fetch itself needs.
 - ``update_state_after_alloc``: a load plan (keys, first block, destination blocks).
 - ``build_connector_meta``: hands load and capture plans to the workers and records each
   admission for attribution.
@@ -147,9 +148,9 @@ class SchedulerCounters:
         add_count(self.data, name, n)
 
 
-# How long a step with nothing else to do waits for a running fetch before answering vLLM (the
-# module docstring): the bound on what a request arriving meanwhile waits more, and on the idle
-# engine's step rate while a fetch runs.
+# How long a step that scheduled nothing waits for a running fetch (the module docstring): the
+# bound on what a request arriving meanwhile waits more, and on the idle engine's step rate
+# while a fetch runs.
 IDLE_FETCH_WAIT_S = 0.02
 
 
@@ -191,7 +192,7 @@ class SchedulerSide:
         self.planner = CapturePlanner(layout, block_size, self.bpp, num_groups, settings.min_span_tokens,
                                       lambda keys, with_state: self._stored_depth(keys, with_state)[0])
         self.after_reset = False                  # vLLM reset the connector's cache: stop
-        self.idle_step = False                    # the last step scheduled nothing: a fetch may be waited for
+        self.idle_fetch_wait_s = IDLE_FETCH_WAIT_S  # 0: never (data parallel: see the connector)
 
     @property
     def store(self) -> PageStore | None:
@@ -283,10 +284,6 @@ class SchedulerSide:
         depth, handle = (0, None) if fetching else self._stored_depth(keys, with_state=self.hybrid)
         if fetching or self._worth_fetching(st, depth, n_blocks, num_computed_tokens):
             outcome = self.remote.poll(request.request_id, keys)
-            if outcome is None and self.idle_step:  # nothing else to do: wait for it a while
-                self.idle_step = False  # once a step
-                self.remote.wait(IDLE_FETCH_WAIT_S)
-                outcome = self.remote.poll(request.request_id, keys)
             if outcome is None:  # fetching: vLLM skips the request this step and asks again
                 return None, False
             self._fetched(st, outcome)
@@ -364,7 +361,6 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> tuple[list[LoadPlan], list[CapturePlan]]:
-        self.idle_step = scheduler_output.total_num_scheduled_tokens == 0
         if self.units is not None:
             self.units.tick()
         if self.hybrid:
@@ -384,6 +380,16 @@ class SchedulerSide:
         loads, captures = self.loads_to_send, self.captures_to_send
         self.loads_to_send, self.captures_to_send = [], []
         return loads, captures
+
+    def wait_for_fetches_when_idle(self, scheduler_output: SchedulerOutput) -> None:
+        """At the end of a step that scheduled nothing, with no load in flight (nothing that
+        step could delay but requests arriving meanwhile): wait until a running fetch ends, at
+        most ``idle_fetch_wait_s``, before vLLM sends the empty step to the workers and
+        schedules again (the module docstring)."""
+        if (self.remote is None or self.idle_fetch_wait_s <= 0 or scheduler_output.total_num_scheduled_tokens
+                or any(st.load_plan is not None for st in self.reqs.values())):
+            return
+        self.remote.wait(self.idle_fetch_wait_s)
 
     def _plan_boundary_captures(self, out: SchedulerOutput) -> None:
         """Captures of entries ending in a boundary object, planned in the step whose forward

@@ -19,13 +19,14 @@ from testing.vllm_scheduler import step as vllm_step
 
 def make_scheduler(root: str, num_blocks: int = 200, max_num_batched_tokens: int = 8192,
                    extra: dict | None = None, hybrid: bool = True, tensor_parallel_size: int = 1,
-                   model: str | None = None):
+                   model: str | None = None, data_parallel_size: int = 1):
     settings = {"root": root, "min_span_tokens": BS,
                 "weights_fingerprint": "scenario:config-only",  # a config directory, no weight files
                 **(extra or {})}
     return make_vllm_scheduler(sparkcache_connector(settings), num_blocks=num_blocks, hybrid=hybrid,
                                max_model_len=8192, max_num_batched_tokens=max_num_batched_tokens,
-                               tensor_parallel_size=tensor_parallel_size, model=model)
+                               tensor_parallel_size=tensor_parallel_size, model=model,
+                               data_parallel_size=data_parallel_size)
 
 
 def store_prefix(scheduler, tokens: list[int], ranks: Iterable[int] | None = None) -> int:

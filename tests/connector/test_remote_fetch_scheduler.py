@@ -12,6 +12,7 @@ SeaweedFS on 127.0.0.1. The worker's reports are synthetic (``scheduler_scenario
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -79,6 +80,23 @@ def _until_scheduled(s, req_id: str, timeout_s: float = 30.0):
     raise AssertionError(f"{req_id} not scheduled within {timeout_s} s")
 
 
+@contextlib.contextmanager
+def _hung(server):
+    """The server stopped (SIGSTOP) for the block: every request to it waits."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+def _fetching(tmp_path, server, monkeypatch, **kwargs):
+    """A scheduler on an empty root and a bucket prefix of its own, its fetches given 30 s."""
+    _aws(monkeypatch, server)
+    return make_scheduler(str(tmp_path / "b"), hybrid=False, **kwargs,
+                          extra={**_remote(server, f"sched/{uuid.uuid4().hex[:8]}"), "remote_fetch_deadline_seconds": 30})
+
+
 def test_a_local_miss_is_fetched_while_the_request_waits_then_restored(tmp_path, seaweedfs, monkeypatch):
     _aws(monkeypatch, seaweedfs)
     prefix = f"sched/{uuid.uuid4().hex[:8]}"
@@ -103,13 +121,10 @@ def test_a_hung_server_never_holds_the_scheduler_and_the_request_recomputes_afte
     prompt = _prompt(200, 4)
     s = make_scheduler(str(tmp_path / "b"), hybrid=False, extra=_remote(seaweedfs, prefix))
     s.add_request(request("r", prompt))
-    os.kill(seaweedfs.proc.pid, signal.SIGSTOP)
-    try:
+    with _hung(seaweedfs):
         started = time.monotonic()
         out, skipped, longest = _until_scheduled(s, "r")
         waited = time.monotonic() - started
-    finally:
-        os.kill(seaweedfs.proc.pid, signal.SIGCONT)
     assert longest < DEADLINE_S / 4, longest  # no step waited on the network
     assert skipped >= 1 and DEADLINE_S * 0.9 <= waited < DEADLINE_S + 5, (skipped, waited)
     assert out.num_scheduled_tokens == {"r": 200}  # nothing local: recomputed
@@ -133,34 +148,36 @@ def test_an_engine_with_nothing_else_to_do_waits_for_the_fetch_instead_of_spinni
     (and the server it reads) needs. An idle step waits for the fetch a while instead."""
     from sparkcache.connector.scheduler_side import IDLE_FETCH_WAIT_S
 
-    _aws(monkeypatch, seaweedfs)
-    s = make_scheduler(str(tmp_path / "b"), hybrid=False,
-                       extra={**_remote(seaweedfs, f"sched/{uuid.uuid4().hex[:8]}"), "remote_fetch_deadline_seconds": 30})
+    s = _fetching(tmp_path, seaweedfs, monkeypatch)
     s.add_request(request("r", _prompt(200, 5)))
-    os.kill(seaweedfs.proc.pid, signal.SIGSTOP)
-    try:
+    seconds = 1.0
+    with _hung(seaweedfs):
         _step(s)  # starts the fetch
-        seconds = 1.0
         steps = _steps_within(s, seconds)
-    finally:
-        os.kill(seaweedfs.proc.pid, signal.SIGCONT)
     assert steps <= seconds / IDLE_FETCH_WAIT_S + 5, steps
-    assert s.connector._sched.remote.running("r")  # still fetching: no outcome given
+    remote = s.connector._sched.remote
+    assert remote.running("r") and remote.idle_waits >= steps  # still fetching, and every step waited
+
+
+def test_a_data_parallel_engine_never_waits_for_a_fetch(tmp_path, seaweedfs, monkeypatch):
+    """Data-parallel engines step in lockstep: an idle one that waited would hold the others."""
+    s = _fetching(tmp_path, seaweedfs, monkeypatch, data_parallel_size=2)
+    s.add_request(request("r", _prompt(200, 8)))
+    with _hung(seaweedfs):
+        for _ in range(20):
+            _step(s)
+    remote = s.connector._sched.remote
+    assert remote.running("r") and remote.idle_waits == 0
 
 
 def test_a_step_with_running_requests_never_waits_for_a_fetch(tmp_path, seaweedfs, monkeypatch):
-    from sparkcache.connector.scheduler_side import IDLE_FETCH_WAIT_S
-
-    _aws(monkeypatch, seaweedfs)
-    s = make_scheduler(str(tmp_path / "b"), hybrid=False,
-                       extra={**_remote(seaweedfs, f"sched/{uuid.uuid4().hex[:8]}"), "remote_fetch_deadline_seconds": 30})
+    s = _fetching(tmp_path, seaweedfs, monkeypatch)
     s.add_request(request("busy", _prompt(40, 6), max_tokens=100_000))
     _until_scheduled(s, "busy")  # its own fetch missed: it runs, and every later step decodes it
     s.add_request(request("r", _prompt(200, 7)))
-    os.kill(seaweedfs.proc.pid, signal.SIGSTOP)
-    try:
-        longest = max(_step(s)[1] for _ in range(50))
-    finally:
-        os.kill(seaweedfs.proc.pid, signal.SIGCONT)
-    assert s.connector._sched.remote.running("r")
-    assert s.connector._sched.remote.idle_waits == 0 and longest < 10 * IDLE_FETCH_WAIT_S, longest
+    remote = s.connector._sched.remote
+    waits = remote.idle_waits
+    with _hung(seaweedfs):
+        for _ in range(50):
+            _step(s)
+    assert remote.running("r") and remote.idle_waits == waits

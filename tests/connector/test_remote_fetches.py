@@ -6,6 +6,7 @@ whole path, on the engine and SeaweedFS: ``test_engine_remote.py``.)"""
 from __future__ import annotations
 
 import threading
+import time
 
 from sparkcache.connector.remote_fetches import GRACE_S, RemoteFetches
 from sparkcache.store import Identity
@@ -84,4 +85,28 @@ def test_a_fetch_past_its_deadline_is_given_up_as_a_miss():
     out = fetches.poll("r", ["k"])
     assert out is not None and not out.hit and set(out.reasons) == {FetchReason.DEADLINE}
     tier.gate.set()
+    fetches.close()
+
+
+def test_a_wait_lasts_while_a_rank_s_fetch_runs_though_another_rank_s_ended():
+    """``wait`` (an idle step's) ends when a running fetch ends: one rank's shard fetched while
+    the other's still runs must not end every wait at once (the idle engine would spin again)."""
+    done, gated = GatedTier({0: _hit("e0")}), GatedTier({1: _hit("e1")})
+    done.gate.set()
+    fetches = RemoteFetches((done, gated), RANKS, deadline_s=30.0)
+    assert fetches.poll("r", ["k"]) is None
+    assert fetches.poll("other", ["k"]) is None
+    until = time.monotonic() + 10
+    while not (done.asked and len(done.asked) == 2) and time.monotonic() < until:
+        time.sleep(0.01)
+    time.sleep(0.05)  # rank 0's fetches have returned
+    started = time.monotonic()
+    fetches.wait(0.3)
+    assert time.monotonic() - started >= 0.25
+    gated.gate.set()
+    started = time.monotonic()
+    while fetches.running("r") and time.monotonic() - started < 10:
+        fetches.wait(5.0)
+        fetches.poll("r", ["k"])
+    assert not fetches.running("r") and time.monotonic() - started < 5  # a wait ends with the fetch
     fetches.close()
