@@ -505,8 +505,10 @@ class EntryIndex:
             self._pending.extend(records)
             self.touched.clear()  # our own accesses' records are among those read by now
             deadline = None if budget_s is None or complete else time.perf_counter() + budget_s
-            while self._pending and (deadline is None or time.perf_counter() < deadline):
+            while self._pending:  # at least one record, however late this thread runs
                 self._apply(self._pending.popleft())
+                if deadline is not None and time.perf_counter() >= deadline:
+                    break
             if complete and not self._listed:
                 self._list_all()
             elif self.unknown:

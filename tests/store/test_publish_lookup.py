@@ -116,4 +116,8 @@ def test_reopen_sees_published_entries_and_other_processes_view(tmp_path):
     b = open_store(tmp_path)
     assert b.lookup(IDENT, conv_keys(1, 8)).hit_blocks == 8
     a.publish(IDENT, conv_keys(4, 4), conv_pages(4, 4, 4))
-    assert b.lookup(IDENT, conv_keys(4, 4)).hit_blocks == 4  # b refreshes from disk
+    # b refreshes from disk: a lookup applies the journal's new records within LOOKUP_REFRESH_S,
+    # at least one each, so on a busy machine the publication shows within a few lookups (CI
+    # once saw the first miss)
+    hits = [b.lookup(IDENT, conv_keys(4, 4)).hit_blocks for _ in range(4)]
+    assert 4 in hits, hits
