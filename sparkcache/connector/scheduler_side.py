@@ -387,7 +387,7 @@ class SchedulerSide:
         most ``idle_fetch_wait_s``, before vLLM sends the empty step to the workers and
         schedules again (the module docstring)."""
         if (self.remote is None or self.idle_fetch_wait_s <= 0 or scheduler_output.total_num_scheduled_tokens
-                or any(st.load_plan is not None for st in self.reqs.values())):
+                or not self.remote.pending() or any(st.load_plan is not None for st in self.reqs.values())):
             return
         self.remote.wait(self.idle_fetch_wait_s)
 
