@@ -167,8 +167,10 @@ class ObjectBackend(Protocol):
         included: the caller compares sizes); those absent are left out."""
         ...
 
-    def put_batch(self, temps: TempFiles) -> PutBatch:
-        """A batch of put-if-absent puts, its temporary files (if any) named by ``temps``."""
+    def put_batch(self, temps: TempFiles, *, cached: bool = True) -> PutBatch:
+        """A batch of put-if-absent puts, its temporary files (if any) named by ``temps``.
+        ``cached=False``: the bytes need not stay in this host's memory (the local backend
+        writes them past the page cache where the filesystem allows; a remote one has none)."""
         ...
 
     def get(self, ref: PageRef) -> bytearray:

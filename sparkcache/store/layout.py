@@ -383,9 +383,11 @@ _POOLS: dict = {}
 # restore's reads run on every allowed CPU (the model waits for them).
 # publish: a publication's hashing and syncs; maintenance: one unlink batch at once. Both
 # are background work and keep off the model's CPUs (``cpus.run_off_model_cpus``).
-_POOL_SIZES = {"io": 16, "publish": 16, "maintenance": 16}
+# direct: the writes past the page cache of fetched objects (``direct_writes.py``): each waits
+# on the device, so they get threads of their own, off the model's CPUs.
+_POOL_SIZES = {"io": 16, "publish": 16, "maintenance": 16, "direct": 16}
 _POOL_PLACEMENT = {"io": cpus.run_on_every_allowed_cpu, "publish": cpus.run_as_publisher,
-                   "maintenance": cpus.run_off_model_cpus}
+                   "maintenance": cpus.run_off_model_cpus, "direct": cpus.run_off_model_cpus}
 
 
 def _forget_pools_in_child() -> None:

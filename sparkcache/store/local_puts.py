@@ -4,7 +4,10 @@ together, then each renamed to its name unless the object is there already.
   1. ``add``: the bytes go to a temp file of the publication's staging and their write-back
      is started (at most ``_WRITEBACK_WINDOW`` bytes in flight, so the device queue this
      builds, which every other reader, writer and discarding unlink waits behind, stays
-     short); every ``_SYNC_BATCH`` files a round (3, 4) runs;
+     short); every ``_SYNC_BATCH`` files a round (3, 4) runs. A batch opened ``direct``
+     (``put_batch(cached=False)``: a fetch from the shared tier) writes past the page cache
+     instead (``direct_writes``: a few files at once from aligned buffers of its own, no
+     page-cache pages taken, nothing in write-back) while the filesystem takes O_DIRECT, the usual way from the first it refuses;
   2. ``flush``: a last round;
   3. a round: one parallel round of fdatasync of its temp files (the filesystem commits them
      in one journal commit; a caller's own fdatasync run beside it joins that commit);
@@ -22,6 +25,7 @@ import os
 import stat
 
 from .backend import NewObject, PutReceipt, TempFiles
+from .direct_writes import DirectWrites
 from .layout import StoreLayout, close_quietly, start_writeback, sync_all, wait_writeback, write_all
 from .manifests import PageRef
 
@@ -31,11 +35,12 @@ _WRITEBACK_WINDOW = 8 << 20  # bytes of started write-back a batch keeps in flig
 
 class LocalPutBatch:
     """``backend.PutBatch`` on the local filesystem (see the module docstring). Its syncs run
-    on the ``publish`` pool."""
+    on the ``publish`` pool; its writes past the page cache (``direct``) on the ``direct`` pool."""
 
-    def __init__(self, layout: StoreLayout, temps: TempFiles) -> None:
+    def __init__(self, layout: StoreLayout, temps: TempFiles, *, direct: bool = False) -> None:
         self.layout = layout
         self.temps = temps
+        self._direct = DirectWrites() if direct else None  # off once the filesystem refuses O_DIRECT
         self._open: list[tuple[int, PageRef, str]] = []  # (fd, object, temp path)
         self._in_flight: list[tuple[int, int]] = []  # (fd, bytes) with write-back started
         self._written: set[str] = set()
@@ -46,25 +51,40 @@ class LocalPutBatch:
         tmp = self.temps.temp_path(obj.ref.digest)
         fd = self.layout.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self._open.append((fd, obj.ref, tmp))
+        if self._direct is not None and not self._direct.refused:
+            self._direct.start(fd, obj.data)
+        else:
+            self._write_cached(fd, obj)
+        if len(self._open) >= _SYNC_BATCH:
+            self._round()
+
+    def _write_cached(self, fd: int, obj: NewObject) -> None:
         write_all(fd, obj.data)
         start_writeback(fd)  # the disk works while the next page is hashed and copied
         self._in_flight.append((fd, obj.ref.size))
         while sum(n for _, n in self._in_flight) > _WRITEBACK_WINDOW:
             wait_writeback(self._in_flight.pop(0)[0])  # bound the device queue we build
-        if len(self._open) >= _SYNC_BATCH:
-            self._round()
 
     def flush(self) -> PutReceipt:
-        self._round()
+        try:
+            self._round()
+        finally:
+            self._close_direct()
         return PutReceipt(frozenset(self._written), frozenset(self._present), self._bytes)
 
     def close(self) -> None:
         """Close what a failed publication left open (abandoned temp files: an error closing
         one changes nothing, and must not replace the publication's own)."""
+        self._close_direct()  # no write runs on a descriptor once it is closed
         items, self._open = self._open, []
         self._in_flight.clear()
         for fd, _, _ in items:
             close_quietly(fd)
+
+    def _close_direct(self) -> None:
+        direct, self._direct = self._direct, None
+        if direct is not None:
+            direct.close()
 
     def _round(self) -> None:
         """One parallel fdatasync of the open temp files, then their renames and one parallel
@@ -74,6 +94,8 @@ class LocalPutBatch:
         if not items:
             return
         try:
+            if self._direct is not None:
+                self._direct.wait()  # every write done before its file is synced
             sync_all(lambda item: os.fdatasync(item[0]), items, "publish")
         finally:
             _close_all([fd for fd, _, _ in items])  # an error closing one fails the round

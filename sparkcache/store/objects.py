@@ -75,9 +75,10 @@ class LocalBackend:
                         found[digest] = ObjectStat(digest, st.st_size, occupied(st, self.alloc_unit))
         return found
 
-    def put_batch(self, temps: TempFiles) -> LocalPutBatch:
-        """Puts through temp files named by ``temps`` (``local_puts.LocalPutBatch``)."""
-        return LocalPutBatch(self.layout, temps)
+    def put_batch(self, temps: TempFiles, *, cached: bool = True) -> LocalPutBatch:
+        """Puts through temp files named by ``temps`` (``local_puts.LocalPutBatch``); with
+        ``cached=False`` written past the page cache (O_DIRECT) where the filesystem offers it."""
+        return LocalPutBatch(self.layout, temps, direct=not cached)
 
     def get(self, ref: PageRef) -> bytearray:
         """The object's bytes, checked against ``ref.checksum`` (its XXH3-128, as its manifest

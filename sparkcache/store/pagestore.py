@@ -210,7 +210,8 @@ class PageStore:
 
         return self._write_entry(idd, entry_id, keys, stream, reused_refs, manifest_of, pace, started)
 
-    def adopt(self, data: bytes, objects: Sequence[bytes | bytearray | memoryview] | PageStream) -> PublishResult:
+    def adopt(self, data: bytes, objects: Sequence[bytes | bytearray | memoryview] | PageStream, *,
+              cached: bool = True) -> PublishResult:
         """Publish an entry as another store published it: ``data``, its manifest file's bytes
         (kept verbatim), and ``objects``, the bytes of every object it names (``Manifest.objects``
         order: its pages, then its state), in memory or as a ``PageStream`` (a chunk at a time,
@@ -218,6 +219,9 @@ class PageStore:
         fails refuses the publication with ``source_failed``). It goes the way ``publish`` goes
         (the cap, the free-space floor, the writer's crash-safe order, the journal), so the
         entry, its objects and its manifest are what a publication here would have made.
+        ``cached=False`` writes the objects past the page cache where the filesystem allows
+        (O_DIRECT: a fetch's bytes, which no copy into new page-cache pages need slow down;
+        the restore that follows reads them from the disk).
         ``ManifestError`` for ``data`` that does not decode; an object whose bytes are not what
         the manifest records refuses the publication (``corrupt``) before its manifest is placed."""
         if self.read_only:
@@ -246,7 +250,8 @@ class PageStore:
                                         f"to {got.digest} ({got.size} bytes); fetch it again")
             return data
 
-        return self._write_entry(idd, entry_id, list(manifest.block_keys), stream, {}, manifest_of, None, started)
+        return self._write_entry(idd, entry_id, list(manifest.block_keys), stream, {}, manifest_of, None, started,
+                                 cached=cached)
 
     def _no_room(self, stream: PageStream, entry_id: str, started: float) -> PublishResult | None:
         """[mutex] The refusal of a publication of ``stream``'s new objects that the cap or the
@@ -272,11 +277,11 @@ class PageStore:
 
     def _write_entry(self, idd: str, entry_id: str, keys: list[str], stream: PageStream,
                      reused_refs: dict[int, PageRef], manifest_of: Callable[[list[PageRef]], bytes],
-                     pace: Callable[[], None] | None, started: float) -> PublishResult:
+                     pace: Callable[[], None] | None, started: float, *, cached: bool = True) -> PublishResult:
         """Write the objects of ``stream`` and then the manifest ``manifest_of`` makes of their
         refs (``PublicationWriter``'s order), journal it and read it into the view."""
         staging = Staging(self.layout)
-        writer = PublicationWriter(self.layout, self.objects, staging, pace)
+        writer = PublicationWriter(self.layout, self.objects, staging, pace, cached=cached)
         try:
             staging.open()
             refs = writer.write_pages(stream, reused_refs)

@@ -41,15 +41,15 @@ class BaseObjectGone(Exception):
 
 class PublicationWriter:
     """Writes the objects of one publication to ``objects`` and its manifest under
-    ``layout``, through ``staging``."""
+    ``layout``, through ``staging`` (``cached``: ``ObjectBackend.put_batch``'s)."""
 
     def __init__(self, layout: StoreLayout, objects: ObjectBackend, staging: Staging,
-                 pace: Callable[[], None] | None = None) -> None:
+                 pace: Callable[[], None] | None = None, *, cached: bool = True) -> None:
         self.layout = layout
         self.objects = objects
         self.staging = staging
         self.pace = pace or (lambda: None)  # called before each page is put; may wait
-        self.batch = objects.put_batch(staging)
+        self.batch = objects.put_batch(staging, cached=cached)
         self.receipt = PutReceipt()  # what the batch put, once committed
         self.placing = False  # whether the manifest's rename was attempted
 
@@ -58,7 +58,8 @@ class PublicationWriter:
         the ``reused`` ref at that index; one given hashed, a ``NewObject``, as it is). Returns
         the manifest's page refs in order. The
         batch's last round is left for ``commit``. A chunk's buffers are done with before the
-        next chunk is asked for: the batch's ``add`` copies them (into the page cache)."""
+        next chunk is asked for: the batch's ``add`` copies them (into the page cache, or into
+        a buffer of its own: ``cached=False``)."""
         self._declare_reused(list(reused.values()))
         refs: list[PageRef | None] = [reused.get(i) for i in range(len(stream.sizes))]
         seen: set[str] = set()

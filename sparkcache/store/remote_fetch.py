@@ -12,8 +12,9 @@
   3. its objects GET through the shard's ``S3Backend``, ``SPARKCACHE_REMOTE_REQUESTS_IN_FLIGHT``
      at once, each hashed once for the local store and verified by that hash (its BLAKE3 name,
      and the XXH3-128 the manifest records), and handed in order, as they come, to the
-     local store's publication path (``adopt`` of a ``remote_feed.ObjectFeed``'s stream), so the
-     local writes overlap the GETs and the fetch holds a few objects, never the whole entry; the
+     local store's publication path (``adopt`` of a ``remote_feed.ObjectFeed``'s stream, written
+     past the page cache where the filesystem allows: ``cached=False``), so the local writes
+     overlap the GETs and the fetch holds a few objects, never the whole entry; the
      manifest's bytes, as they were, are placed only once every object is verified and written.
      One missing or short is ``absent``; one with wrong bytes is removed from the bucket (the
      next upload of its entry puts it back) and the fetch is ``corrupt``; either leaves no entry;
@@ -238,7 +239,7 @@ class Fetcher:
             raise _Miss(FetchReason.DEADLINE, "the deadline passed before the local write", entry_id)
         feed.start()
         try:
-            published = self.local.adopt(data, feed.stream())
+            published = self.local.adopt(data, feed.stream(), cached=False)  # past the page cache: see adopt
         finally:
             feed.close()
         if published.ok:

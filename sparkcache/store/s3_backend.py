@@ -87,8 +87,9 @@ class S3Backend:
             found.update((s.digest, s) for s in listed if s.digest in names)
         return found
 
-    def put_batch(self, temps: TempFiles) -> S3PutBatch:
-        """Puts straight from the caller's bytes (no temporary files: ``temps`` is unused)."""
+    def put_batch(self, temps: TempFiles, *, cached: bool = True) -> S3PutBatch:
+        """Puts straight from the caller's bytes (no temporary files: ``temps`` is unused; no
+        page cache: ``cached`` changes nothing)."""
         return S3PutBatch(self)
 
     def get(self, ref: PageRef) -> bytearray:

@@ -23,8 +23,8 @@ class RecordingBackend(LocalBackend):
         self.deleted: list[str] = []
         self.asked: set[str] = set()
 
-    def put_batch(self, temps):
-        return _RecordingBatch(super().put_batch(temps), self)
+    def put_batch(self, temps, *, cached=True):
+        return _RecordingBatch(super().put_batch(temps, cached=cached), self)
 
     def exists(self, digests):
         digests = list(digests)

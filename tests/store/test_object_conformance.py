@@ -11,7 +11,9 @@ the local filesystem's own doors (``local``) is held to them too: its reads into
 its re-hash refuse the same damage, and only what is corrupt is discarded.
 
 The local backends' objects are put by the store's own publication path (``PageStore.publish``
--> ``PublicationWriter`` -> the backend's put batch). The S3 backend (on the tests' SeaweedFS,
+-> ``PublicationWriter`` -> the backend's put batch); the ``adopted`` ones by a fetch's path
+(another store's entry ``adopt``-ed with ``cached=False``: written past the page cache with
+O_DIRECT; on tmpfs, which is only memory, the flag changes nothing). The S3 backend (on the tests' SeaweedFS,
 testing/seaweedfs.py) starts from the same bytes: a publication into a local store, whose objects
 are then put through ``S3Backend.put_batch``. The real publication path to S3 (local publication
 first, then the upload queue) arrives with the tier (issue 44, step 3); where a case publishes
@@ -31,6 +33,7 @@ from typing import Callable, ContextManager, Iterator
 
 import pytest
 
+from bench.page_cache import resident_pages
 from hostile_helpers import small_tmpfs
 from sparkcache.store import PageRef, Reason
 from sparkcache.store.backend import NewObject, ObjectError
@@ -116,7 +119,7 @@ class BackendCase:
     store's own, or one made beside it: ``backend(request, store)``), how an object of it is
     damaged (each of ``damages``, from ``DAMAGE``), what marks an object as written once
     (``mark``: unchanged unless it is written again), and whether it has the local filesystem's
-    doors."""
+    doors, and whether its objects came the fetch's way (``adopted``)."""
 
     name: str
     root: Callable[[Path], ContextManager[Path]]
@@ -125,11 +128,14 @@ class BackendCase:
     damages: tuple[str, ...] = ("flipped byte", "truncated", "grown", "symlink")
     mark: Callable[["Subject", str], object] = _inode
     local: bool = True
+    adopted: bool = False  # the objects put as a fetch puts them: ``adopt(..., cached=False)``
 
 
 BACKENDS = [
     BackendCase("local", _working_fs),
     BackendCase("local-tmpfs", _tmpfs),
+    BackendCase("local-adopted", _working_fs, adopted=True),
+    BackendCase("local-tmpfs-adopted", _tmpfs, adopted=True),
     BackendCase("s3-seaweedfs", _working_fs, _s3_on_seaweedfs, _damage_object,
                 ("flipped byte", "truncated", "grown"), _version, local=False),
 ]
@@ -167,7 +173,7 @@ def subject(request, tmp_path: Path):
     with case.root(tmp_path) as root:
         store = open_store(str(root), backend=LocalBackend)
         datas = [bytes([n % 251]) * size for n, size in enumerate(SIZES)]
-        result = store.publish(IDENT, conv_keys(1, 4 * len(datas)), datas)
+        result = _put_first(store, datas, tmp_path / "source" if case.adopted else None)
         assert result.ok and result.pages_written == len(datas), result
         try:
             pages = store.entry(result.entry_id).manifest.pages
@@ -179,6 +185,20 @@ def subject(request, tmp_path: Path):
             yield Subject(case, store, backend, {NewObject.of(d).ref.digest: d for d in datas}, pages, raw)
         finally:
             store.close()
+
+
+def _put_first(store, datas: list[bytes], source_root: Path | None):
+    """``datas`` published into ``store``; with ``source_root``, published there first and then
+    adopted into ``store`` past the page cache, as a fetch from the shared tier puts them."""
+    if source_root is None:
+        return store.publish(IDENT, conv_keys(1, 4 * len(datas)), datas)
+    source = open_store(str(source_root), backend=LocalBackend)
+    try:
+        first = source.publish(IDENT, conv_keys(1, 4 * len(datas)), datas)
+        assert first.ok, first
+        return store.adopt(source.manifest_bytes(first.entry_id)[1], datas, cached=False)
+    finally:
+        source.close()
 
 
 def _put_through(backend, store, objects: list[NewObject]):
@@ -211,6 +231,18 @@ def test_a_put_leaves_exactly_the_object(subject):
     assert {d: s.size for d, s in held.items()} == {d: len(v) for d, v in subject.put.items()}
     assert all(held[d].stored_bytes >= len(v) for d, v in subject.put.items())
     assert [r.digest for r in subject.pages] == list(subject.put)  # the manifest names them in order
+
+
+@pytest.mark.parametrize("subject", [c for c in BACKENDS if c.name == "local-adopted"], ids=["local-adopted"],
+                         indirect=True)
+def test_objects_put_past_the_page_cache_take_none_of_it(subject):
+    """The working filesystem (ext4 or xfs under the tests' tmp) takes O_DIRECT: an adopted
+    entry's objects are on the disk and none of their pages in memory (a cached put leaves them
+    all there: the case ``local``)."""
+    for ref in subject.pages:
+        path = subject.backend.path(ref.digest)
+        assert resident_pages(path)[0] == 0, (path, resident_pages(path))
+        assert os.path.getsize(path) == ref.size
 
 
 def test_every_read_returns_the_bytes_that_were_put(subject):

@@ -78,14 +78,14 @@ class _SlowLocal:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def adopt(self, data, stream: PageStream):
+    def adopt(self, data, stream: PageStream, *, cached: bool = True):
         def chunks():
             for n, chunk in enumerate(stream.chunks()):
                 if n == 1:
                     time.sleep(self._stall_s)
                 yield chunk
 
-        result = self._store.adopt(data, PageStream(stream.sizes, chunks))
+        result = self._store.adopt(data, PageStream(stream.sizes, chunks), cached=cached)
         self.results.append(result)
         return result
 

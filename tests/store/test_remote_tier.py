@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import obstore
 import pytest
 
+from bench.page_cache import resident_pages
 from remote_helpers import (KillingLocal, fresh_prefix, manifest_file_bytes, random_pages, remote_keys_of, tier_of,
                             two_stores)
 from sparkcache.store import Identity, PageStore
@@ -63,6 +64,8 @@ def test_an_uploaded_entry_is_fetched_byte_for_byte_into_an_empty_store(pair, se
     longer = keys + ["f00d", "beef"]  # a prompt that goes on past the entry
     result = pair.down.fetch(IDENT, longer)
     assert result.hit and result.entry_id == entry_id and result.blocks == len(keys), result
+    for ref in pair.b.entry(entry_id).manifest.objects:  # written past the page cache (tmp is ext4)
+        assert resident_pages(pair.b.objects.path(ref.digest))[0] == 0
     _same_entry(pair.a, pair.b, entry_id)
     assert pair.b.lookup(IDENT, longer).hit_blocks == len(keys)
     assert pair.down.fetcher.marks_sent(10)  # the access mark is PUT after the fetch returned
