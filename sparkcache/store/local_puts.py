@@ -7,7 +7,8 @@ together, then each renamed to its name unless the object is there already.
      short); every ``_SYNC_BATCH`` files a round (3, 4) runs. A batch opened ``direct``
      (``put_batch(cached=False)``: a fetch from the shared tier) writes past the page cache
      instead (``direct_writes``: a few files at once from aligned buffers of its own, no
-     page-cache pages taken, nothing in write-back) while the filesystem takes O_DIRECT, the usual way from the first it refuses;
+     page-cache pages taken, nothing in write-back) while the filesystem takes O_DIRECT, and
+     the usual way from the first file it refuses;
   2. ``flush``: a last round;
   3. a round: one parallel round of fdatasync of its temp files (the filesystem commits them
      in one journal commit; a caller's own fdatasync run beside it joins that commit);
