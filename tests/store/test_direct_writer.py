@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -15,11 +16,14 @@ from hypothesis import strategies as st
 
 from bench.page_cache import resident_pages
 from faultfs import FaultFS
+from sparkcache.store import PageStore
 from sparkcache.store.direct_writes import DIRECT_ALIGN, AlignedCopy, DirectWrites
 from sparkcache.store.layout import WRITE_CHUNK
+from store_helpers import IDENT, conv_keys, open_store
 
 _EDGES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, WRITE_CHUNK - 1, WRITE_CHUNK, WRITE_CHUNK + 1,
           2 * WRITE_CHUNK + DIRECT_ALIGN + 7]
+_OBJECT_TEMP = r"/staging/[0-9a-f]+-[0-9a-f]{64}\.tmp$"  # an object's temp file (not the intent, not the manifest)
 _SIZES = st.one_of(st.sampled_from(_EDGES), st.integers(0, 3 * WRITE_CHUNK))
 
 
@@ -149,3 +153,32 @@ def test_a_usual_write_that_fails_after_a_refusal_raises_its_own_error(tmp_path)
         finally:
             os.close(fd)
         assert fs.fired() >= 2
+
+
+def test_an_entry_adopted_on_a_filesystem_that_refuses_o_direct_is_written_the_usual_way(tmp_path):
+    """The put batch's side of a refusal: the first object's direct write is refused (EINVAL
+    from a real FUSE filesystem), the batch writes that one and every later one the usual way,
+    and the adopted entry reads back whole and verifies."""
+    source = open_store(str(tmp_path / "source"))
+    datas = [os.urandom(size) for size in (5000, 1 << 20, 3 * DIRECT_ALIGN + 1)]
+    try:
+        first = source.publish(IDENT, conv_keys(1, 4 * len(datas)), datas)
+        assert first.ok, first
+        manifest = source.manifest_bytes(first.entry_id)[1]
+    finally:
+        source.close()
+    with FaultFS(tmp_path / "fs") as fs:
+        store = open_store(str(fs.mount / "store"))
+        try:
+            fs.record(True)
+            fs.fail("write", _OBJECT_TEMP, errno.EINVAL, times=1)
+            result = store.adopt(manifest, datas, cached=False)
+            assert result.ok and result.pages_written == len(datas), result.detail
+            assert fs.fired() == 1
+            staged_writes = [path for op, path in fs.take_log() if op == "write" and re.search(_OBJECT_TEMP, path)]
+            assert len(set(staged_writes)) == len(datas)  # every object written, the refused one again too
+            refs = list(store.entry(first.entry_id).manifest.objects)
+            assert store.read_pages(refs) == datas
+        finally:
+            store.close()
+        assert PageStore.verify_root(str(fs.mount / "store")).ok
