@@ -13,8 +13,8 @@ its re-hash refuse the same damage, and only what is corrupt is discarded.
 The local backends' objects are put by the store's own publication path (``PageStore.publish``
 -> ``PublicationWriter`` -> the backend's put batch); the ``adopted`` ones by a fetch's path
 (another store's entry ``adopt``-ed with ``cached=False``: written past the page cache with
-O_DIRECT; on tmpfs, which is only memory, the flag changes nothing). The S3 backend (on the tests' SeaweedFS,
-testing/seaweedfs.py) starts from the same bytes: a publication into a local store, whose objects
+O_DIRECT; on tmpfs, which is only memory, the flag changes nothing). The S3 backend (on the
+tests' SeaweedFS, testing/seaweedfs.py) starts from the same bytes: a publication into a local store, whose objects
 are then put through ``S3Backend.put_batch``. The real publication path to S3 (local publication
 first, then the upload queue) arrives with the tier (issue 44, step 3); where a case publishes
 again, the S3 backend's equivalent is a put batch of the same bytes. Its damage is done with the
