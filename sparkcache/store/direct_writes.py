@@ -35,6 +35,24 @@ _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)  # what a filesystem 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the system has none: every write the usual way
 
 
+def _padded(n: int) -> int:
+    """``n`` rounded up to the O_DIRECT unit."""
+    return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def _set_direct(fd: int, flags: int) -> bool:
+    """Add O_DIRECT to ``fd``'s ``flags``; False where the system or the filesystem refuses it."""
+    if not _O_DIRECT:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno not in _REFUSED:
+            raise
+        return False
+    return True
+
+
 class AlignedCopy:
     """One object's bytes in a page-aligned buffer, written to a new file past the page cache
     (the module docstring). The buffer is kept for the next object. Not thread-safe."""
@@ -48,7 +66,7 @@ class AlignedCopy:
         pieces), and zero the padding after it."""
         with memoryview(data) as given, given.cast("B") as view:
             n = len(view)
-            padded = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+            padded = _padded(n)
             if self._buf is None or len(self._buf) < padded:
                 self.close()
                 self._buf = mmap.mmap(-1, max(padded, DIRECT_ALIGN), flags=mmap.MAP_PRIVATE)
@@ -62,13 +80,7 @@ class AlignedCopy:
         where the filesystem refused O_DIRECT, written the usual way then (``fd``'s flags as
         they were, unless an error is raised: the file is then abandoned)."""
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        try:
-            if not _O_DIRECT:
-                raise OSError(errno.EINVAL, "no O_DIRECT on this system")
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-        except OSError as exc:
-            if exc.errno not in _REFUSED:
-                raise
+        if not _set_direct(fd, flags):
             self._write_plain(fd, 0)
             return False
         try:
@@ -96,7 +108,7 @@ class AlignedCopy:
         """Aligned pieces from the buffer; after a short write that ends off the 4 KiB unit
         (allowed, if rare), the rest the usual way. The file is then cut to its length."""
         n, at = self._size, 0
-        padded = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+        padded = _padded(n)
         with memoryview(self._buf) as out:
             while at < padded:
                 with out[at:min(padded, at + WRITE_CHUNK)] as piece:
