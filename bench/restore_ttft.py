@@ -107,6 +107,7 @@ REPO = Path(__file__).resolve().parents[1]
 ARMS = ("recompute", "sparkcache", "example", "lmcache")
 HYBRID_ARMS = ("recompute", "sparkcache")  # neither peer connector can load a hybrid model (HYBRID_NOT_RUN)
 PEER_ARMS = ("example", "lmcache")  # the other connectors, each paired against sparkcache
+RAW_READ_REPS = 5  # the raw read the restore rate is compared with: the median of this many
 LMCACHE_NOTE = ("LMCache 0.5.6 (fs:// backend, 256-token chunks, no local CPU tier) with this bench's torch copy "
                 "between vLLM's CPU KV cache and its chunks in place of its CUDA kernels (bench/lmcache_arm.py). "
                 "It restores whole chunks up to all but the last prompt token (restored_tokens), not vLLM blocks; "
@@ -410,8 +411,15 @@ def _median(xs: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """One point per ``--prompt-tokens`` size, smallest first; one size: that point alone."""
-    points = [run_point(args, n) for n in sorted(args.prompt_tokens)]
+    """One point per ``--prompt-tokens`` size, smallest first; one size: that point alone.
+    Each point is written to ``<out>.partial.json`` as it ends (a curve takes hours: the sizes
+    measured survive a run stopped before the last)."""
+    points = []
+    for n in sorted(args.prompt_tokens):
+        points.append(run_point(args, n))
+        if len(args.prompt_tokens) > 1:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.with_suffix(".partial.json").write_text(json.dumps({"points": points}, indent=1))
     if len(points) == 1:
         return points[0]
     return {"bench": "restore_ttft_curve", "sizes": [p["prompt_tokens"] for p in points],
@@ -535,8 +543,9 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     if same_split:
         outputs["restore_arms_identical"] = consistent("sparkcache", *same_split)
     # The restore path's own rate (the worker's restore_seconds and restore_bytes histograms)
-    # against a plain read of the same stored files in the same page-cache state.
-    raw = read_rate(files_under(str(work / "sparkcache")), cold=args.cold)
+    # against a plain read of the same stored files in the same page-cache state (the median
+    # of RAW_READ_REPS).
+    raw = read_rate(files_under(str(work / "sparkcache")), cold=args.cold, reps=RAW_READ_REPS)
     rate = restored["bytes"] / restored["seconds"] / 1e9 if restored["seconds"] > 0 else 0.0
     restore_rate = {"restores": restored["count"], "bytes": restored["bytes"], "seconds": restored["seconds"],
                     "gb_per_s": rate, "raw_read": raw,
