@@ -160,6 +160,10 @@ class WorkerSide:
             # for the process's life (a worker lives as long as vLLM's worker process)
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         if store is not None:
+            spinning = cpus.note_spinning_cpus(os.environ)
+            if spinning:
+                logger.info("sparkcache: vLLM bound the model's OpenMP threads to CPUs %s; restores "
+                            "read on the model's thread and on the other allowed CPUs", sorted(spinning))
             store.start_readers()  # after the model's CPUs are noted: the io pool is placed by them
 
     def take_observations(self) -> dict[str, list[float]]:

@@ -14,7 +14,10 @@ engine"). So:
   leaves none (one core; a worker vLLM did not pin, as on GPUs; no worker at all);
 - ``run_as_publisher``: the same, at a lower priority, for publication's threads;
 - ``run_on_every_allowed_cpu``: a restore's readers (the model waits for them) run on every
-  CPU the cpuset allows; ``held_to`` keeps one of them on one CPU while it reads its share.
+  CPU the cpuset allows; ``held_to`` keeps one of them on one CPU while it reads its share;
+- ``note_spinning_cpus``: the connector's worker records the CPUs vLLM bound the model's
+  OpenMP threads to. Those threads spin for milliseconds after each parallel region, so a
+  restore reads on none of them but its calling thread's own (``layout.reader_cpus``).
 
 Each changes only the calling thread's affinity (Linux; elsewhere nothing happens).
 """
@@ -22,11 +25,13 @@ Each changes only the calling thread's affinity (Linux; elsewhere nothing happen
 from __future__ import annotations
 
 import os
+import re
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping
 
 _model_cpus: frozenset[int] = frozenset()
+_spinning_cpus: frozenset[int] = frozenset()
 
 
 def note_model_cpus(omp_bind: str = "") -> frozenset[int]:
@@ -41,14 +46,61 @@ def note_model_cpus(omp_bind: str = "") -> frozenset[int]:
 def omp_bound_cpus(omp_bind: str) -> frozenset[int]:
     """The CPUs an explicit ``VLLM_CPU_OMP_THREADS_BIND`` lists (``0-3|4-7``, ``0,2|1,3``:
     one list per rank); none for ``auto``, ``nobind`` or anything else."""
-    cpus: set[int] = set()
-    for rank_list in omp_bind.split("|") if omp_bind.strip() else ():
-        for part in rank_list.split(","):
-            first, dash, last = part.strip().partition("-")
-            if not first.isdigit() or (dash and not last.isdigit()):
-                return frozenset()
-            cpus.update(range(int(first), int(last or first) + 1))
-    return frozenset(cpus)
+    if not omp_bind.strip():
+        return frozenset()
+    return _cpu_list(part.strip() for rank_list in omp_bind.split("|") for part in rank_list.split(","))
+
+
+def note_spinning_cpus(environ: Mapping[str, str]) -> frozenset[int]:
+    """Record the CPUs the model's OpenMP threads are bound to (``omp_env_cpus`` of the
+    worker's environment, and every rank's cores an explicit ``VLLM_CPU_OMP_THREADS_BIND``
+    lists). After each parallel region those threads wait by spinning at normal priority
+    (libgomp for a few milliseconds, Intel's runtime ``KMP_BLOCKTIME``, which vLLM sets to
+    5 ms), right when a step's restore starts: a reader woken on one of those CPUs waited
+    behind the spin for up to a scheduler tick, several times per restore (docs/RESULTS.md,
+    "Restore readers off the model's spinning OpenMP threads")."""
+    global _spinning_cpus
+    _spinning_cpus = omp_env_cpus(environ) | omp_bound_cpus(environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+    return _spinning_cpus
+
+
+def spinning_cpus() -> frozenset[int]:
+    """The CPUs last noted as the model's OpenMP threads' (empty: none noted)."""
+    return _spinning_cpus
+
+
+def omp_env_cpus(environ: Mapping[str, str]) -> frozenset[int]:
+    """The CPUs the OpenMP runtime's own variables bind its threads to, in the forms vLLM's
+    CPU worker sets them (``vllm/utils/ompmultiprocessing.py``): ``GOMP_CPU_AFFINITY`` (GNU:
+    ``0 1 2``, also ``0-3``, ``0-6:2``), ``KMP_AFFINITY``'s ``proclist=[0,1,2]`` (Intel; its
+    ``{0,1}`` sets as their CPUs), or ``OMP_PLACES`` (``{0,1,2}``; ``{0}:4``-style intervals
+    and abstract names bind nothing known). Anything else, or anything that does not parse,
+    is none."""
+    kmp = environ.get("KMP_AFFINITY", "")
+    places = environ.get("OMP_PLACES", "").strip()
+    found = _cpu_list(environ.get("GOMP_CPU_AFFINITY", "").replace(",", " ").split())
+    if "proclist=[" in kmp and "]" in kmp:
+        listed = kmp.split("proclist=[", 1)[1].split("]", 1)[0]
+        found |= _cpu_list(listed.replace("{", "").replace("}", "").split(","))
+    if places.startswith("{") and places.endswith("}") and ":" not in places:
+        found |= _cpu_list(p for p in places.replace("{", ",").replace("}", ",").split(",") if p.strip())
+    return found
+
+
+_MAX_CPU = 1 << 16  # a CPU number beyond any machine's: the variable is garbage
+_CPU_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?(?::([0-9]+))?")
+
+
+def _cpu_list(parts: Iterable[str]) -> frozenset[int]:
+    """The CPUs of ``7``, ``0-3`` or ``0-6:2`` parts; none at all when any part is something
+    else (or names a CPU past ``_MAX_CPU``)."""
+    found: set[int] = set()
+    for part in parts:
+        m = _CPU_RANGE.fullmatch(part.strip())
+        if m is None or int(m[2] or m[1]) >= _MAX_CPU or m[3] is not None and int(m[3]) == 0:
+            return frozenset()
+        found.update(range(int(m[1]), int(m[2] or m[1]) + 1, int(m[3] or 1)))
+    return frozenset(found)
 
 
 def model_cpus() -> frozenset[int]:

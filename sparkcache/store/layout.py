@@ -423,16 +423,27 @@ def pool_cpus(pool: str = "io") -> tuple[int, ...]:
     return _pool(pool)[1]
 
 
+def reader_cpus(pool: str = "io") -> tuple[int, ...]:
+    """The CPUs ``per_cpu_map`` runs items on: the pool's, less those the model's OpenMP
+    threads spin on (``cpus.spinning_cpus``), but for the first the calling thread may run
+    on (vLLM's model thread, pinned to one of them, reads there itself)."""
+    where = pool_cpus(pool)
+    own = cpus.own_cpus()
+    mine = next((c for c in where if c in own), None)
+    spinning = cpus.spinning_cpus()
+    return tuple(c for c in where if c == mine or c not in spinning)
+
+
 def per_cpu_map(fn, items: list, pool: str = "io") -> list:
     """``[fn(x) for x in items]`` with item k on a thread of the pool held to the k-th of
-    ``pool_cpus`` for the call (``cpus.held_to``), so that every CPU works from the first
+    ``reader_cpus`` for the call (``cpus.held_to``), so that every CPU works from the first
     moment: left to the kernel, threads woken after an idle spell started on the waker's
     CPU and shared it (docs/RESULTS.md, "A page reader per CPU"). The calling thread, which
     waits for them anyway, takes the item of the first CPU it may run on (vLLM pins the
     model's thread to its CPU), or else the first: only the others wait for a pool thread to
     wake. Every item has ended before anything is raised. At most one item per CPU; where
     the system names none, as ``parallel_map``."""
-    executor, where = _pool(pool)
+    executor, where = _pool(pool)[0], reader_cpus(pool)
     if len(items) > max(1, len(where)):
         raise ValueError(f"{len(items)} items for {len(where)} CPUs")
     if len(items) <= 1 or not where:

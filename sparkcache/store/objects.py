@@ -32,7 +32,7 @@ import xxhash
 from .backend import (ObjectError, ObjectStat, TempFiles, check_checksum, check_hash, checksum_of,
                       digest_of, hasher_for, name_and_checksum)
 from .layout import (StoreLayout, UnsafePathError, check_object_prefix, close_quietly, file_kind,
-                     is_object_digest, occupied, open_regular_at, parallel_map, per_cpu_map, pool_cpus)
+                     is_object_digest, occupied, open_regular_at, parallel_map, per_cpu_map, reader_cpus)
 from .local_puts import LocalPutBatch
 from .manifests import PageRef
 from .reasons import Reason
@@ -159,7 +159,7 @@ class LocalBackend:
         or sharing its CPU, holds up only the page it has. Every object is checked present
         (taken the same way) before any reader writes. Once every reader has ended, raises the
         error of the first page in ``refs`` order that had one."""
-        readers = max(1, min(len(refs), len(pool_cpus("io"))))
+        readers = max(1, min(len(refs), len(reader_cpus("io"))))
         checks, reads = _Claims(len(refs)), _Claims(len(refs))
         errors: dict[int, BaseException] = {}
         all_checked = threading.Event()   # every object present, or a check failed
@@ -194,7 +194,7 @@ class LocalBackend:
     def start_readers(self) -> None:
         """Start the threads ``read_many_verified_into`` reads on (one per CPU) now, so the
         first restore does not pay for their start."""
-        per_cpu_map(int, [0] * len(pool_cpus("io")))
+        per_cpu_map(int, [0] * len(reader_cpus("io")))
 
     def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:
         """``get`` without keeping the bytes: hashed (BLAKE3, against the name) a chunk at a

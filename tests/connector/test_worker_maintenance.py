@@ -306,6 +306,22 @@ def test_background_work_avoids_the_other_ranks_cores_too(tmp_path, monkeypatch)
         worker.close()
 
 
+@pytest.mark.parametrize("mode", ["read-write", "restore-only"])
+def test_a_worker_notes_the_cpus_vllm_bound_the_models_openmp_threads_to(tmp_path, monkeypatch, mode):
+    """Every worker that restores, writing or not: its restores read off those CPUs
+    (``layout.reader_cpus``; tests/store/test_read_into.py)."""
+    _worker(tmp_path / "store", "read-write").close()  # a store there to restore from
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")  # as vLLM's CPU worker sets it for libgomp
+    cpus.note_spinning_cpus({})
+    worker = _worker(tmp_path / "store", mode)
+    assert worker.store is not None
+    try:
+        assert cpus.spinning_cpus() == {0, 1}
+    finally:
+        worker.close()
+        cpus.note_spinning_cpus({})
+
+
 @pytest.mark.parametrize("mode,lowered", [("read-write", True), ("restore-only", False)])
 def test_a_writing_worker_shortens_the_wait_for_the_gil(tmp_path, mode, lowered):
     """Its publisher and maintenance threads run Python in vLLM's worker process: the model's

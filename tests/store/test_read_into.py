@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparkcache.store import ObjectError, Reason
+from sparkcache.store import cpus
 from sparkcache.store.cpus import held_to
 from sparkcache.store.layout import parallel_map, pool_cpus
 from store_helpers import IDENT, conv_keys, flip_bit, open_store
@@ -248,3 +249,44 @@ def test_a_reader_that_is_slowed_leaves_its_pages_to_the_others(tmp_path):
     slowed = sorted(i for i, mine in by.items() if not mine)
     assert len(slowed) <= len(where) - 1, f"the slowed readers were left pages {slowed}"
     assert sorted(by) == list(range(len(refs)))
+
+
+@pytest.fixture
+def spinning():
+    """``cpus.note_spinning_cpus`` for the test; none noted after it."""
+    yield cpus.note_spinning_cpus
+    cpus.note_spinning_cpus({})
+
+
+def test_no_reader_runs_on_a_cpu_the_models_openmp_threads_spin_on(tmp_path, spinning):
+    """vLLM binds the model's OpenMP threads to CPUs (``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``,
+    as its CPU worker sets them), and after each parallel region they spin there at normal
+    priority, right when a step's restore starts: a reader woken on such a CPU waited behind
+    the spin for up to a scheduler tick. The readers run on the caller's CPU (the model's
+    thread, pinned to one of them) and on the CPUs no OpenMP thread is bound to."""
+    where = pool_cpus("io")
+    assert len(where) >= 2, f"this test needs 2 CPUs; the io pool runs on {where}"
+    store, pages, refs = _published(tmp_path, 4 * len(where))
+    caller = threading.get_ident()
+    by: dict[int, tuple] = {}
+
+    def views_of(i: int) -> list[memoryview]:
+        by[i] = (threading.get_ident() == caller, frozenset(os.sched_getaffinity(0)))
+        time.sleep(0.01)  # a reader on another CPU, were there one, is up before the pages run out
+        return [memoryview(bytearray(len(pages[i])))]
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {where[0]})  # as vLLM pins the model's thread
+    try:
+        spinning({"GOMP_CPU_AFFINITY": " ".join(map(str, where))})  # every CPU computes for the model
+        store.read_pages_into(refs, views_of)
+        assert sorted(by) == list(range(len(refs)))
+        assert all(mine for mine, _ in by.values()), f"a reader ran off the caller's thread: {by}"
+        by.clear()
+        spinning({"KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{where[0]}]"})  # the caller's only
+        store.read_pages_into(refs, views_of)
+        others = {on for mine, on in by.values() if not mine}
+        assert others, f"no reader ran on the CPUs left free: {by}"
+        assert all(len(on) == 1 and where[0] not in on for on in others), by
+    finally:
+        os.sched_setaffinity(0, before)
