@@ -150,8 +150,9 @@ class LocalBackend:
         check_hash(ref, hasher.hexdigest(), path)
 
     def read_many_verified_into(self, refs: list, views_of: Callable[[int], Sequence[memoryview]]) -> None:
-        """``read_verified_into(refs[i], views_of(i))`` for every page, on one reader per CPU,
-        each on a thread held to its CPU (``per_cpu_map``; the calling thread is one of them).
+        """``read_verified_into(refs[i], views_of(i))`` for every page, on one reader per CPU of
+        ``reader_cpus`` (none where the model's OpenMP threads spin but the caller's), each on a
+        thread held to its CPU (``per_cpu_map``; the calling thread is one of them).
         Reads and hashing release the GIL, so each core reads pages of its own and hashes each
         read while it is still in its cache (one thread per CPU: more would evict each other's
         reads before they are hashed; docs/RESULTS.md). The readers take the pages one after
@@ -192,8 +193,8 @@ class LocalBackend:
             raise errors[min(errors)]
 
     def start_readers(self) -> None:
-        """Start the threads ``read_many_verified_into`` reads on (one per CPU) now, so the
-        first restore does not pay for their start."""
+        """Start the threads ``read_many_verified_into`` reads on (one per ``reader_cpus``) now,
+        so the first restore does not pay for their start."""
         per_cpu_map(int, [0] * len(reader_cpus("io")))
 
     def check_verified(self, digest: str, size: int, shard_fd: int | None = None) -> str:

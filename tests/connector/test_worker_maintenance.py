@@ -314,8 +314,8 @@ def test_a_worker_notes_the_cpus_vllm_bound_the_models_openmp_threads_to(tmp_pat
     monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")  # as vLLM's CPU worker sets it for libgomp
     cpus.note_spinning_cpus({})
     worker = _worker(tmp_path / "store", mode)
-    assert worker.store is not None
     try:
+        assert worker.store is not None
         assert cpus.spinning_cpus() == {0, 1}
     finally:
         worker.close()
