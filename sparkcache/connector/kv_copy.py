@@ -37,6 +37,7 @@ The buffers a restore reads are anything with the buffer protocol (``mmap``, ``b
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import warnings
 from dataclasses import dataclass
@@ -64,8 +65,8 @@ class BlockView:
     ratio: int            # kernel blocks per manager block (1: not split)
     width: int            # the widest element (bytes) the view's strides and address allow
 
-    @property
-    def block_bytes(self) -> int:
+    @functools.cached_property
+    def block_bytes(self) -> int:  # asked per layer on every restore: one tensor view made once
         return self.blocks[0].numel()
 
     @property

@@ -357,6 +357,12 @@ def _open_base(base: str) -> int:
         raise
 
 
+def open_subdir_at(dir_fd: int, name: str, path: str) -> int:
+    """The directory ``name`` in the directory open at ``dir_fd``, never through a link
+    (``path``: its whole path, for messages); a link or a file there is ``UnsafePathError``."""
+    return _open_subdir(dir_fd, name, path, False)
+
+
 def _open_subdir(fd: int, name: str, path: str, create: bool) -> int:
     for attempt in (0, 1):
         try:

@@ -32,7 +32,8 @@ import xxhash
 from .backend import (ObjectError, ObjectStat, TempFiles, check_checksum, check_hash, checksum_of,
                       digest_of, hasher_for, name_and_checksum)
 from .layout import (StoreLayout, UnsafePathError, check_object_prefix, close_quietly, file_kind,
-                     is_object_digest, occupied, open_regular_at, parallel_map, per_cpu_map, reader_cpus)
+                     is_object_digest, occupied, open_regular_at, open_subdir_at, parallel_map, per_cpu_map,
+                     reader_cpus)
 from .local_puts import LocalPutBatch
 from .manifests import PageRef
 from .reasons import Reason
@@ -123,26 +124,34 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ the restore's reads
 
-    def check_present(self, digest: str, size: int) -> None:
-        """Cheap check (no read): exists, regular, not a symlink, recorded size."""
+    def check_present(self, digest: str, size: int, objects_fd: int | None = None) -> None:
+        """Cheap check (no read): exists, regular, not a symlink, recorded size. ``objects_fd``:
+        ``objects/`` open (``_objects_dir``: several objects, one walk from the root)."""
         path = self.path(digest)
         try:
-            st = self.layout.lstat(path)
+            if objects_fd is None:
+                st = self.layout.lstat(path)
+            else:
+                shard = open_subdir_at(objects_fd, digest[:2], path)
+                try:
+                    st = os.stat(digest[2:], dir_fd=shard, follow_symlinks=False)
+                finally:
+                    os.close(shard)
         except (OSError, UnsafePathError) as exc:
             raise _not_looked_at(exc, digest, path) from None
         _check_stat(digest, st, size, path)
 
-    def read_verified_into(self, ref: PageRef, views: Sequence[memoryview]) -> None:
+    def read_verified_into(self, ref: PageRef, views: Sequence[memoryview], objects_fd: int | None = None) -> None:
         """Read the object ``ref`` names into ``views`` (writable byte buffers whose sizes add
         up to ``ref.size``), in order, with as few ``preadv`` calls as the system's iovec
         limit allows, then check those bytes as ``get`` does. On an ``ObjectError``
         the views may hold unverified bytes: the caller must not use them (a restore reports
-        its blocks to vLLM as not loaded)."""
+        its blocks to vLLM as not loaded). ``objects_fd``: as for ``check_present``."""
         if sum(v.nbytes for v in views) != ref.size:
             raise ValueError(f"views of {sum(v.nbytes for v in views)} bytes for an object of {ref.size}")
         hasher = hasher_for(ref)
         path = self.path(ref.digest)
-        fd = self._open_checked(ref.digest, ref.size, path=path)
+        fd = self._open_checked(ref.digest, ref.size, path=path, objects_fd=objects_fd)
         try:
             _read_exactly_into(fd, ref, views, hasher.update, path)
         finally:
@@ -159,7 +168,10 @@ class LocalBackend:
         another, whichever is free next (``_Claims``), not in fixed runs: a reader woken late,
         or sharing its CPU, holds up only the page it has. Every object is checked present
         (taken the same way) before any reader writes. Once every reader has ended, raises the
-        error of the first page in ``refs`` order that had one."""
+        error of the first page in ``refs`` order that had one. ``objects/`` is walked to once,
+        each object found from there (``_objects_dir``)."""
+        if not refs:
+            return
         readers = max(1, min(len(refs), len(reader_cpus("io"))))
         checks, reads = _Claims(len(refs)), _Claims(len(refs))
         errors: dict[int, BaseException] = {}
@@ -174,7 +186,7 @@ class LocalBackend:
         def reader(_: int) -> None:
             for i in checks:
                 try:
-                    self.check_present(refs[i].digest, refs[i].size)
+                    self.check_present(refs[i].digest, refs[i].size, objects_fd)
                 except BaseException as exc:  # noqa: BLE001 - whatever it is, raised below
                     stop(i, exc)
                     return
@@ -183,12 +195,13 @@ class LocalBackend:
             all_checked.wait()
             for i in reads:
                 try:
-                    self.read_verified_into(refs[i], views_of(i))
+                    self.read_verified_into(refs[i], views_of(i), objects_fd)
                 except BaseException as exc:  # noqa: BLE001 - raised below, once every reader has ended
                     stop(i, exc)
                     return
 
-        per_cpu_map(reader, list(range(readers)))
+        with self._objects_dir(refs[0].digest) as objects_fd:
+            per_cpu_map(reader, list(range(readers)))
         if errors:
             raise errors[min(errors)]
 
@@ -227,15 +240,22 @@ class LocalBackend:
         check_checksum(ref, self.check_verified(ref.digest, ref.size), self.path(ref.digest))
 
     def _open_checked(self, digest: str, size: int, shard_fd: int | None = None, *,
-                      path: str | None = None) -> int:
+                      path: str | None = None, objects_fd: int | None = None) -> int:
         """An fd of the object (at ``path``, its path when known), opened without following
-        links, with its size checked."""
+        links, with its size checked; found from its shard directory (``shard_fd``) or from
+        ``objects/`` (``objects_fd``) when either is open, else from the root."""
         path = path or self.path(digest)
         try:
-            if shard_fd is None:
-                fd = self.layout.open_file(path, os.O_RDONLY)
-            else:
+            if shard_fd is not None:
                 fd = open_regular_at(shard_fd, digest[2:], path, os.O_RDONLY)
+            elif objects_fd is not None:
+                shard = open_subdir_at(objects_fd, digest[:2], path)
+                try:
+                    fd = open_regular_at(shard, digest[2:], path, os.O_RDONLY)
+                finally:
+                    os.close(shard)
+            else:
+                fd = self.layout.open_file(path, os.O_RDONLY)
         except (OSError, UnsafePathError) as exc:
             raise _not_looked_at(exc, digest, path) from None
         try:
@@ -257,9 +277,12 @@ class LocalBackend:
         cold ``lstat`` is a disk read), else on this thread: a warm ``lstat`` takes
         microseconds and a hand-off to the pool milliseconds when the cores are busy
         (docs/RESULTS.md, "Measurements behind the code"). Raises the first
-        ``ObjectError`` in page order."""
-        _each_in_parallel(lambda ref: self.check_present(ref.digest, ref.size), refs,
-                          parallel=len(refs) > _SERIAL_CHECK_PAGES)
+        ``ObjectError`` in page order. ``objects/`` is walked to once (``_objects_dir``)."""
+        if not refs:
+            return
+        with self._objects_dir(refs[0].digest) as objects_fd:
+            _each_in_parallel(lambda ref: self.check_present(ref.digest, ref.size, objects_fd), refs,
+                              parallel=len(refs) > _SERIAL_CHECK_PAGES)
 
     # ------------------------------------------------------------------ repair and verify
 
@@ -333,6 +356,19 @@ class LocalBackend:
         return Survey(orphans, tuple(unsafe))
 
     # ------------------------------------------------------------------ directories
+
+    @contextlib.contextmanager
+    def _objects_dir(self, digest: str) -> Iterator[int]:
+        """``objects/`` open, so that each of several objects is found from there (its shard,
+        then itself: two opens without following links) rather than by a walk from the root
+        (four). What stops the walk to it (nothing there, a link, an I/O error) is the
+        ``ObjectError`` of ``digest``, the first object looked for."""
+        try:
+            handle = self.layout.open_dir(self.layout.objects_dir)
+        except (OSError, UnsafePathError) as exc:
+            raise _not_looked_at(exc, digest, self.path(digest)) from None
+        with handle as d:
+            yield d.fd
 
     @contextlib.contextmanager
     def _shard_dir(self, shard: str, digest: str) -> Iterator[int | None]:

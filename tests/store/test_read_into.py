@@ -113,6 +113,43 @@ def test_an_object_gone_writes_nothing_and_sizes_must_add_up(tmp_path, gone):
         store.read_pages_into([refs[gone - 1]], lambda i: [memoryview(bytearray(4095))])
 
 
+def _link_elsewhere(path: str, elsewhere) -> None:
+    """``path`` moved to ``elsewhere`` (the same bytes) and a symbolic link to it left in its place."""
+    os.rename(path, elsewhere)
+    os.symlink(elsewhere, path)
+
+
+@pytest.mark.parametrize("call", ["read_pages_into", "check_pages_present"])
+@pytest.mark.parametrize("damage", ["object-link", "shard-link", "objects-dir-link", "objects-dir-gone"])
+def test_a_restore_finds_its_objects_from_the_objects_directory_never_through_a_link(tmp_path, call, damage):
+    """A restore walks from the root to ``objects/`` once and finds each object from there:
+    a link anywhere on the way (the object, its shard, ``objects/`` itself) is ``corrupt``,
+    even to the very same bytes, and ``objects/`` gone is ``absent``; nothing is written."""
+    store = open_store(tmp_path / "s", page_blocks=1)
+    pages = [os.urandom(4096) for _ in range(3)]
+    assert store.publish(IDENT, conv_keys(1, 3), pages).ok
+    refs = store.lookup(IDENT, conv_keys(1, 3)).handle.pages
+    last = store.objects.path(refs[-1].digest)
+    if damage == "object-link":
+        _link_elsewhere(last, tmp_path / "object")
+    elif damage == "shard-link":
+        _link_elsewhere(os.path.dirname(last), tmp_path / "shard")
+    elif damage == "objects-dir-link":
+        _link_elsewhere(store.layout.objects_dir, tmp_path / "objects")
+    else:
+        os.rename(store.layout.objects_dir, tmp_path / "objects")
+    views = [[memoryview(bytearray(4096))] for _ in pages]
+    with pytest.raises(ObjectError) as err:
+        if call == "read_pages_into":
+            store.read_pages_into(refs, lambda i: views[i])
+        else:
+            store.check_pages_present(refs)
+    whole_dir = damage.startswith("objects-dir")
+    assert err.value.reason is (Reason.ABSENT if damage == "objects-dir-gone" else Reason.CORRUPT)
+    assert err.value.digest == (refs[0] if whole_dir else refs[-1]).digest
+    assert not any(any(bytes(v[0])) for v in views), "a page was written although an object was refused"
+
+
 def _published(tmp_path, n: int) -> tuple:
     store = open_store(tmp_path / "s", page_blocks=1)
     pages = [os.urandom(65536) for _ in range(n)]
