@@ -55,6 +55,7 @@ class Rule:
     after: int = 0  # let this many matching calls through first
     times: int = 1  # then fail this many (-1: every later one)
     truncate_to: int = -1  # >= 0: instead of failing, cut the file to this size, then go on
+    delay_s: float = 0.0  # > 0: instead of failing, take this long first (a disk that must seek)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -140,6 +141,17 @@ class FaultFS:
         rule = Rule(op, path, 0, after, 1, size)
         self._ask(cmd="fail", rule=rule.__dict__)
 
+    def slow(self, op: str, path: str, seconds: float, *, after: int = 0, times: int = -1) -> None:
+        """Add a rule: the ``after``+1-th and later matching calls (``times`` of them, -1: all)
+        take ``seconds`` longer, as on a disk that must seek for each, and then succeed."""
+        rule = Rule(op, path, 0, after, times, delay_s=float(seconds))
+        self._ask(cmd="fail", rule=rule.__dict__)
+
+    def most_at_once(self, op: str) -> int:
+        """The most ``op`` calls the filesystem has served at once since the last ``clear``
+        (it serves several callers on threads of its own)."""
+        return int(self._ask(cmd="peak", op=op))
+
     def clear(self) -> None:
         """Remove every rule."""
         self._ask(cmd="clear")
@@ -170,11 +182,13 @@ def _serve(backing: str, mount: str, socket_path: str) -> None:
 
     lock = threading.Lock()
     rules: list[dict] = []
-    state = {"fired": 0, "log": None, "clock_ns": 0}
+    state = {"fired": 0, "log": None, "clock_ns": 0, "busy": {}, "peak": {}}
 
-    def check(op: str, path: str | None) -> None:
+    def check(op: str, path: str | None) -> float:
+        """Raise the error a rule says, or return how long the call is to take first."""
         # None: a file removed while open (``hard_remove``), reached through its descriptor
         path = "" if path is None else path
+        delay = 0.0
         with lock:
             if state["log"] is not None:
                 state["log"].append((op, path))
@@ -193,18 +207,30 @@ def _serve(backing: str, mount: str, socket_path: str) -> None:
                     if path:
                         os.truncate(real(path), rule["truncate_to"])
                     continue
+                if rule["delay_s"] > 0:
+                    delay = max(delay, rule["delay_s"])
+                    continue
                 raise FuseOSError(rule["errno"])
+        return delay
 
     def real(path: str) -> str:
         return os.path.join(backing, path.lstrip("/"))
 
     def oserror(fn):
         def wrapped(self, path, *args):
-            check(fn.__name__, path)
+            op = fn.__name__
+            delay = check(op, path)
+            with lock:
+                busy = state["busy"][op] = state["busy"].get(op, 0) + 1
+                state["peak"][op] = max(state["peak"].get(op, 0), busy)
             try:
+                time.sleep(delay)
                 return fn(self, path, *args)
             except OSError as exc:
                 raise FuseOSError(exc.errno or errno.EIO) from None
+            finally:
+                with lock:
+                    state["busy"][op] -= 1
         wrapped.__name__ = fn.__name__
         return wrapped
 
@@ -381,6 +407,9 @@ def _serve(backing: str, mount: str, socket_path: str) -> None:
             elif cmd == "clear":
                 rules.clear()
                 state["fired"] = 0
+                state["peak"] = {}
+            elif cmd == "peak":
+                return state["peak"].get(req["op"], 0)
             elif cmd == "clock":
                 state["clock_ns"] = int(req["seconds"] * 1e9)
             elif cmd == "fired":

@@ -22,6 +22,7 @@ import itertools
 import os
 import stat
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
@@ -295,16 +296,24 @@ class LocalBackend:
         return _each_in_parallel(self.get, refs, parallel=parallel)
 
     def check_many_present(self, refs: list) -> None:
-        """``check_present`` for several pages, in parallel threads when there are many (a
-        cold ``lstat`` is a disk read), else on this thread: a warm ``lstat`` takes
-        microseconds and a hand-off to the pool milliseconds when the cores are busy
-        (docs/RESULTS.md, "Measurements behind the code"). Raises the first
-        ``ObjectError`` in page order. ``objects/`` is walked to once (``_objects_dir``)."""
+        """``check_present`` for several pages: on this thread while each check is quick (a
+        warm ``lstat`` takes microseconds, a hand-off to the pool milliseconds when the cores
+        are busy: docs/RESULTS.md, "Measurements behind the code"); from the first that took
+        as long as a disk read (``_SLOW_CHECK_S``: the inodes are not in memory), the rest in
+        parallel threads. Raises the first ``ObjectError`` in page order. ``objects/`` is
+        walked to once (``_objects_dir``)."""
         if not refs:
             return
         with self._objects_dir(refs[0].digest) as objects_fd:
-            _each_in_parallel(lambda ref: self.check_present(ref.digest, ref.size, objects_fd), refs,
-                              parallel=len(refs) > _SERIAL_CHECK_PAGES)
+            def check(ref: PageRef) -> None:
+                self.check_present(ref.digest, ref.size, objects_fd)
+
+            for k, ref in enumerate(refs):
+                started = time.monotonic()
+                check(ref)
+                if time.monotonic() - started > _SLOW_CHECK_S:
+                    _each_in_parallel(check, refs[k + 1:])
+                    return
 
     # ------------------------------------------------------------------ repair and verify
 
@@ -457,7 +466,7 @@ def _unreadable(exc: OSError, digest: str, path: str) -> OSError:
                      "the disk and the store's permissions")
 
 
-_SERIAL_CHECK_PAGES = 8  # check_many_present: up to this many pages on the calling thread
+_SLOW_CHECK_S = 0.001  # check_many_present: a check this slow went to the disk; the rest in parallel
 
 
 class _Claims:
