@@ -37,11 +37,9 @@ from .layout import (StoreLayout, UnsafePathError, check_object_prefix, close_qu
                      reader_cpus)
 from .local_puts import LocalPutBatch
 from .manifests import PageRef
-from .read_ahead import ReadAhead, ask_for, preadv_nowait
 from .reasons import Reason
 
 _HASH_CHUNK = 8 << 20  # check_verified reads and hashes this much at a time
-_READ_AHEAD_BYTES = 256 << 20  # a cold restore asks the disk for this much past the object it reads
 
 
 class LocalBackend:
@@ -144,22 +142,19 @@ class LocalBackend:
             raise _not_looked_at(exc, digest, path) from None
         _check_stat(digest, st, size, path)
 
-    def read_verified_into(self, ref: PageRef, views: Sequence[memoryview], objects_fd: int | None = None,
-                           on_miss: Callable[[], None] | None = None) -> None:
+    def read_verified_into(self, ref: PageRef, views: Sequence[memoryview], objects_fd: int | None = None) -> None:
         """Read the object ``ref`` names into ``views`` (writable byte buffers whose sizes add
         up to ``ref.size``), in order, with as few ``preadv`` calls as the system's iovec
         limit allows, then check those bytes as ``get`` does. On an ``ObjectError``
         the views may hold unverified bytes: the caller must not use them (a restore reports
-        its blocks to vLLM as not loaded). ``objects_fd``: as for ``check_present``. ``on_miss``:
-        each read asks the page cache alone first (``read_ahead.preadv_nowait``), and the first
-        that finds bytes missing calls it before it waits for them."""
+        its blocks to vLLM as not loaded). ``objects_fd``: as for ``check_present``."""
         if sum(v.nbytes for v in views) != ref.size:
             raise ValueError(f"views of {sum(v.nbytes for v in views)} bytes for an object of {ref.size}")
         hasher = hasher_for(ref)
         path = self.path(ref.digest)
         fd = self._open_checked(ref.digest, ref.size, path=path, objects_fd=objects_fd)
         try:
-            _read_exactly_into(fd, ref, views, hasher.update, path, on_miss)
+            _read_exactly_into(fd, ref, views, hasher.update, path)
         finally:
             close_quietly(fd)
         check_hash(ref, hasher.hexdigest(), path)
@@ -175,17 +170,13 @@ class LocalBackend:
         or sharing its CPU, holds up only the page it has. Every object is checked present
         (taken the same way) before any reader writes. Once every reader has ended, raises the
         error of the first page in ``refs`` order that had one. ``objects/`` is walked to once,
-        each object found from there (``_objects_dir``). A read that finds its object out of
-        the page cache makes the readers ask the disk for the objects ahead of theirs, up to
-        ``_READ_AHEAD_BYTES`` (``read_ahead.ReadAhead``)."""
+        each object found from there (``_objects_dir``)."""
         if not refs:
             return
         readers = max(1, min(len(refs), len(reader_cpus("io"))))
         checks, reads = _Claims(len(refs)), _Claims(len(refs))
         errors: dict[int, BaseException] = {}
         all_checked = threading.Event()   # every object present, or a check failed
-        ahead = ReadAhead([ref.size for ref in refs], lambda i: self._ask_for(refs[i], objects_fd),
-                          _READ_AHEAD_BYTES)
 
         def stop(i: int, exc: BaseException) -> None:
             errors[i] = exc
@@ -205,8 +196,7 @@ class LocalBackend:
             all_checked.wait()
             for i in reads:
                 try:
-                    ahead.reading(i)
-                    self.read_verified_into(refs[i], views_of(i), objects_fd, ahead.on_miss(i))
+                    self.read_verified_into(refs[i], views_of(i), objects_fd)
                 except BaseException as exc:  # noqa: BLE001 - raised below, once every reader has ended
                     stop(i, exc)
                     return
@@ -215,18 +205,6 @@ class LocalBackend:
             per_cpu_map(reader, list(range(readers)))
         if errors:
             raise errors[min(errors)]
-
-    def _ask_for(self, ref: PageRef, objects_fd: int) -> None:
-        """Ask the disk for the object ``ref`` names (``read_ahead.ask_for``); nothing when it
-        cannot be opened (its read says why)."""
-        try:
-            fd = self._open_checked(ref.digest, ref.size, objects_fd=objects_fd)
-        except ObjectError:
-            return
-        try:
-            ask_for(fd, ref.size)
-        finally:
-            close_quietly(fd)
 
     def start_readers(self) -> None:
         """Start the threads ``read_many_verified_into`` reads on (one per ``reader_cpus``) now,
@@ -518,12 +496,10 @@ _READ_BATCH = 512 << 10  # bytes one preadv reads at most: hashed next, while st
 
 
 def _read_exactly_into(fd: int, ref: PageRef, views: Sequence[memoryview],
-                       hash_update: Callable[[memoryview], object], path: str,
-                       on_miss: Callable[[], None] | None = None) -> None:
+                       hash_update: Callable[[memoryview], object], path: str) -> None:
     """``ref.size`` bytes from the start of ``fd`` (the object at ``path``) into ``views`` in
     order, each read handed to ``hash_update`` right after it (in byte order): a short file is
-    ``absent``, a failing read ``io_error``. With ``on_miss``, from the page cache first, until
-    a read finds bytes missing: then ``on_miss()``, and reads that wait for the disk."""
+    ``absent``, a failing read ``io_error``."""
     todo = deque(v for v in views if v.nbytes)
     got, size = 0, ref.size
     while todo:
@@ -534,15 +510,7 @@ def _read_exactly_into(fd: int, ref: PageRef, views: Sequence[memoryview],
             if room <= 0:
                 break
         try:
-            if on_miss is None:
-                n = os.preadv(fd, batch, got)
-            else:
-                n = preadv_nowait(fd, batch, got)
-                if n is None or n < _READ_BATCH - room:
-                    on_miss()
-                    on_miss = None
-                    if n is None:
-                        continue
+            n = os.preadv(fd, batch, got)
         except (OSError, MemoryError) as exc:
             raise ObjectError(Reason.IO_ERROR, ref.digest, f"read failed at {got}/{size}: {exc!r}", path) from None
         if n == 0:

@@ -48,7 +48,7 @@ def test_cold_read_refuses_a_flipped_byte(stored, parallel):
 def test_a_lookup_that_waits_for_the_disk_checks_the_rest_of_its_pages_in_parallel(tmp_path):
     """A page check that took as long as a disk read (its inode not in memory) hands the
     other pages' checks to parallel threads, so their reads overlap; here a real filesystem
-    (FUSE) takes 50 ms for each object's attributes, and serves several callers at once."""
+    (FUSE) is made slow to give each object's attributes, and serves several callers at once."""
     with FaultFS(tmp_path / "fs") as fs:
         store = open_store(fs.mount / "s", page_blocks=1)
         n = 12
