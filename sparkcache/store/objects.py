@@ -133,11 +133,8 @@ class LocalBackend:
             if objects_fd is None:
                 st = self.layout.lstat(path)
             else:
-                shard = open_subdir_at(objects_fd, digest[:2], path)
-                try:
+                with _shard_in(objects_fd, digest, path) as shard:
                     st = os.stat(digest[2:], dir_fd=shard, follow_symlinks=False)
-                finally:
-                    os.close(shard)
         except (OSError, UnsafePathError) as exc:
             raise _not_looked_at(exc, digest, path) from None
         _check_stat(digest, st, size, path)
@@ -250,11 +247,8 @@ class LocalBackend:
             if shard_fd is not None:
                 fd = open_regular_at(shard_fd, digest[2:], path, os.O_RDONLY)
             elif objects_fd is not None:
-                shard = open_subdir_at(objects_fd, digest[:2], path)
-                try:
+                with _shard_in(objects_fd, digest, path) as shard:
                     fd = open_regular_at(shard, digest[2:], path, os.O_RDONLY)
-                finally:
-                    os.close(shard)
             else:
                 fd = self.layout.open_file(path, os.O_RDONLY)
         except (OSError, UnsafePathError) as exc:
@@ -425,6 +419,17 @@ class Survey:
 
     orphans: int
     unsafe: tuple[tuple[str, str], ...]
+
+
+@contextlib.contextmanager
+def _shard_in(objects_fd: int, digest: str, path: str) -> Iterator[int]:
+    """The shard directory of ``digest`` (at ``path``), opened from ``objects/`` (open at
+    ``objects_fd``) without following a link; closed after."""
+    shard = open_subdir_at(objects_fd, digest[:2], path)
+    try:
+        yield shard
+    finally:
+        os.close(shard)
 
 
 def _not_looked_at(exc: OSError | UnsafePathError, digest: str, path: str) -> ObjectError:
