@@ -8,6 +8,8 @@ backing directory, in its own process, that returns an errno for the operations 
         fs.fail("readdir", r"/default/manifests$", errno.EIO, after=0, times=1)
         ...                                # the same work: that listing fails with EIO once
         fs.clear()
+        fs.slow("getattr", r"/objects/", s)    # those calls take s seconds longer, then succeed
+        fs.most_at_once("getattr")             # the most served at once since the last clear
 
 ``fs.set_clock(seconds)`` puts the filesystem's clock that far from the kernel's: every time
 getattr reports is the backing file's moved by it, so a file stamped through the mount (a
