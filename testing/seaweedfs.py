@@ -151,10 +151,15 @@ class SeaweedFS:
                 self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
             self.proc = None
-        for name, port in self.ports.items():
-            if name.endswith(".grpc"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"/tmp/seaweedfs-{name[:-len('.grpc')]}-grpc-{port}.sock")
+        for path in self.grpc_sockets():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def grpc_sockets(self) -> list[str]:
+        """The unix sockets weed makes in /tmp for its gRPC ports (it ignores TMPDIR for them),
+        named by service and port: what ``kill`` removes, and nothing else there."""
+        return [f"/tmp/seaweedfs-{name.removesuffix('.grpc')}-grpc-{port}.sock"
+                for name, port in self.ports.items() if name.endswith(".grpc")]
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s`` (and ``kill``'s cleanup, also when it was

@@ -5,7 +5,7 @@ error that says what to do."""
 
 from __future__ import annotations
 
-import glob
+import os
 import socket
 
 import obstore
@@ -36,22 +36,42 @@ def test_its_logs_sockets_and_identity_lie_under_its_directory(seaweedfs):
     assert seaweedfs.endpoint.access_key not in repr(seaweedfs.endpoint)
 
 
+def _leave_a_socket(path: str) -> None:
+    """A unix socket file at ``path`` whose server is gone, as a SIGKILLed weed leaves."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(path)
+
+
+def _weed_sockets_left(server: SeaweedFS) -> list[str]:
+    """The gRPC sockets weed makes in /tmp, named by its service and port, that are still there."""
+    return [p for p in server.grpc_sockets() if os.path.lexists(p)]
+
+
 def test_after_a_sigkill_the_same_server_comes_back_with_its_objects(tmp_path):
-    with SeaweedFS(tmp_path / "s") as server:
-        store = server.raw_store()
-        obstore.put(store, "kept", b"before the kill", use_multipart=False)
-        url = server.endpoint.url
-        server.kill()
-        assert not server.running()
-        with pytest.raises(Exception):
-            obstore.get(store, "kept")
-        server.start()  # ready: a PUT and a GET of a probe went through
-        assert server.endpoint.url == url and server.starts == 2
-        assert bytes(obstore.get(store, "kept").bytes()) == b"before the kill"
-        obstore.put(store, "after", b"written after the restart", use_multipart=False)
-        server.kill()  # as a failing test leaves it: stopping it then still cleans up
-    # weed puts its gRPC sockets in /tmp, named by their ports: stopping it takes them away
-    assert [p for p in server.ports.values() if glob.glob(f"/tmp/seaweedfs-*-grpc-{p}.sock")] == []
+    server = SeaweedFS(tmp_path / "s")
+    # what another life left in /tmp: a socket named by one of our ports but another service (not
+    # ours, so it stays), and one named as weed names ours (weed binds over it; stopping removes it)
+    foreign = f"/tmp/seaweedfs-elsewhere-grpc-{server.ports['s3']}.sock"
+    stale = server.grpc_sockets()[0]
+    for path in (foreign, stale):
+        _leave_a_socket(path)
+    try:
+        with server:
+            store = server.raw_store()
+            obstore.put(store, "kept", b"before the kill", use_multipart=False)
+            url = server.endpoint.url
+            server.kill()
+            assert not server.running()
+            with pytest.raises(Exception):
+                obstore.get(store, "kept")
+            server.start()  # ready: a PUT and a GET of a probe went through
+            assert server.endpoint.url == url and server.starts == 2
+            assert bytes(obstore.get(store, "kept").bytes()) == b"before the kill"
+            obstore.put(store, "after", b"written after the restart", use_multipart=False)
+            server.kill()  # as a failing test leaves it: stopping it then still cleans up
+        assert _weed_sockets_left(server) == [] and os.path.lexists(foreign)
+    finally:
+        os.unlink(foreign)
 
 
 def test_the_cutting_proxy_kills_the_server_mid_response_and_mid_request(tmp_path):
@@ -98,5 +118,4 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path):
         with pytest.raises(SeaweedError) as caught:
             server.start()
     assert str(server.log_file) in str(caught.value) and "log tail" in str(caught.value)
-    assert not server.running()
-    assert [p for p in server.ports.values() if glob.glob(f"/tmp/seaweedfs-*-grpc-{p}.sock")] == []
+    assert not server.running() and _weed_sockets_left(server) == []
