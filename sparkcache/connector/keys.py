@@ -91,25 +91,28 @@ class BlockKeys:
 
     def upto(self, token_ids: Sequence[int], n_blocks: int) -> list[str]:
         """The keys of the first ``n_blocks`` blocks, fewer where the tokens end first."""
-        bs, ahead = self.block_size, self._lookahead
-        while len(self.keys) < n_blocks:
-            i = len(self.keys)
-            chunk = token_ids[i * bs:(i + 1) * bs + ahead]
-            if len(chunk) < bs + ahead:
-                break
-            extra = self._extra_keys(i * bs, (i + 1) * bs) if self._extra_keys else None
-            h = hashlib.sha256(self._digest)
-            h.update(_le_uint32(chunk[:bs]))
-            h.update(canonical(extra))
-            self._digest = h.digest()
+        bs, ahead, first = self.block_size, self._lookahead, len(self.keys)
+        last = min(n_blocks, (len(token_ids) - ahead) // bs)  # blocks whose tokens (and lookahead) are known
+        if last <= first:
+            return self.keys[:n_blocks]
+        packed = _le_uint32(token_ids[first * bs:last * bs + ahead])  # the blocks' tokens, packed once
+        width, digest, extra_keys, window_keys = 4 * bs, self._digest, self._extra_keys, self._window_keys
+        for i in range(first, last):
+            at = (i - first) * width
+            extra = extra_keys(i * bs, (i + 1) * bs) if extra_keys else None
+            h = hashlib.sha256(digest)
+            h.update(packed[at:at + width])
+            h.update(b"N" if extra is None else canonical(extra))
+            digest = h.digest()
             if ahead:
-                key = hashlib.sha256(self._digest + b"lookahead" + _le_uint32(chunk[bs:]))
-                window = self._window_keys((i + 1) * bs, (i + 1) * bs + ahead) if self._window_keys else None
+                key = hashlib.sha256(digest + b"lookahead" + packed[at + width:at + width + 4 * ahead])
+                window = window_keys((i + 1) * bs, (i + 1) * bs + ahead) if window_keys else None
                 if window is not None:
                     key.update(canonical(window))
                 self.keys.append(key.hexdigest()[:40])
             else:
-                self.keys.append(self._digest.hex()[:40])
+                self.keys.append(digest.hex()[:40])
+            self._digest = digest  # kept per block: an extra key that raises leaves the chain at its last key
         return self.keys[:n_blocks]
 
 

@@ -71,6 +71,33 @@ def test_lookahead_keys_cover_the_token_after_each_block_and_keep_the_chain():
     assert len(BlockKeys(32, lookahead=2).upto(tokens[:97], 4)) == 2  # block 2's second token unknown
 
 
+def _reference_ahead(tokens: list[int], block_size: int, ahead: int, extra) -> list[str]:
+    """The module docstring's definition, one block at a time, with extra keys ``extra``."""
+    digest, keys = hashlib.sha256(b"sparkcache-block-key-v2").digest(), []
+    le = lambda ts: b"".join(t.to_bytes(4, "little") for t in ts)  # noqa: E731
+    for i in range((len(tokens) - ahead) // block_size):
+        chunk = tokens[i * block_size:(i + 1) * block_size]
+        digest = hashlib.sha256(digest + le(chunk) + canonical(extra(i * block_size, (i + 1) * block_size))).digest()
+        after = tokens[(i + 1) * block_size:(i + 1) * block_size + ahead]
+        keys.append((hashlib.sha256(digest + b"lookahead" + le(after)).hexdigest() if ahead else digest.hex())[:40])
+    return keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 3), st.lists(st.integers(0, 2**32 - 1), max_size=80),
+       st.lists(st.integers(0, 12), max_size=6), st.booleans())
+def test_keys_asked_for_in_any_steps_as_tokens_arrive_follow_the_definition(bs, ahead, tokens, asks, salted):
+    """However the scheduler asks (more blocks, fewer, the same again) while the request's
+    tokens grow, the keys are the definition's; with extra keys on some blocks too."""
+    extra = (lambda s, e: ("salt", s) if s % 3 == 0 else None) if salted else (lambda s, e: None)
+    keys = BlockKeys(bs, extra if salted else None, ahead)
+    expected = _reference_ahead(tokens, bs, ahead, extra)
+    for k, n in enumerate(asks):  # the tokens known so far grow with each ask
+        known = tokens[:len(tokens) * (k + 1) // len(asks)]
+        got = keys.upto(known, n)
+        assert got == expected[:min(n, max(0, (len(known) - ahead) // bs))]
+
+
 def test_token_id_outside_uint32_is_refused():
     with pytest.raises(OverflowError):
         BlockKeys(2).upto([1, 2**32], 1)
