@@ -54,10 +54,10 @@ ExtraKeys = Callable[[int, int], tuple[object, ...] | None]
 def canonical(value: object) -> bytes:
     """An unambiguous byte encoding of an extra key: None, bool, int, str (a path as its
     text), bytes and tuples/lists of them; anything else is a TypeError (never a guess)."""
+    if value is None:  # first: most blocks have no extra keys, and the ABC check below is slow
+        return b"N"
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    if value is None:
-        return b"N"
     if isinstance(value, bool):
         return b"T" if value else b"F"
     if isinstance(value, int):
@@ -102,7 +102,7 @@ class BlockKeys:
             extra = extra_keys(i * bs, (i + 1) * bs) if extra_keys else None
             h = hashlib.sha256(digest)
             h.update(packed[at:at + width])
-            h.update(b"N" if extra is None else canonical(extra))
+            h.update(canonical(extra))
             digest = h.digest()
             if ahead:
                 key = hashlib.sha256(digest + b"lookahead" + packed[at + width:at + width + 4 * ahead])

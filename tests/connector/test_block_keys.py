@@ -28,12 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _reference(tokens: list[int], block_size: int) -> list[str]:
-    digest, keys = hashlib.sha256(b"sparkcache-block-key-v2").digest(), []
-    for i in range(len(tokens) // block_size):
-        chunk = tokens[i * block_size:(i + 1) * block_size]
-        digest = hashlib.sha256(digest + b"".join(t.to_bytes(4, "little") for t in chunk) + b"N").digest()
-        keys.append(digest.hex()[:40])
-    return keys
+    return _reference_ahead(tokens, block_size, 0, lambda start, end: None)
 
 
 def test_keys_follow_the_definition_and_extend_incrementally():
