@@ -170,8 +170,7 @@ def engine_point(server, prompt_tokens: int, prompts: int, reps: int, work: Path
 
     from dataclasses import asdict
 
-    from bench.restore_ttft import LLAMA_SHAPE, model_figures
-    from contracts.engine_driver import run_in_fresh_process
+    from bench.restore_ttft import LLAMA_SHAPE, model_figures, run_life
     from testing.tinymodel import BENCH, make_tiny_model
 
     model = make_tiny_model(BENCH)
@@ -189,8 +188,7 @@ def engine_point(server, prompt_tokens: int, prompts: int, reps: int, work: Path
            "SPARKCACHE_REMOTE_FETCH_DEADLINE_SECONDS": "600"}
 
     def life(root: Path) -> dict:
-        return run_in_fresh_process({**base, "root": str(root)}, REPO, 3600,
-                                    command=("bench.restore_ttft", "--engine-life"), env=env)
+        return run_life({**base, "root": str(root)}, 3600, env)
 
     stored = life(work / f"engine-{prompt_tokens}-a")
     lives = []

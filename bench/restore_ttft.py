@@ -401,9 +401,19 @@ def step_quantiles(buckets: dict[str, int]) -> dict:
 
 # ---------------------------------------------------------------------- parent
 
-def run_life(cfg: dict, timeout_s: int = 900) -> dict:
-    """One engine life in its own process group (SIGKILLed afterwards)."""
-    return run_in_fresh_process(cfg, REPO, timeout_s, command=("bench.restore_ttft", "--engine-life"))
+def life_env(timeout_s: int) -> dict[str, str]:
+    """The environment a life adds for vLLM: one step may take as long as the whole life.
+    The bench prefills a prompt in one step, and vLLM's multiprocess executor gives one
+    ``execute_model`` call ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (300 s unless set): a long
+    prompt's prefill on a small CPU would be killed as a hung worker."""
+    return {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(timeout_s)}
+
+
+def run_life(cfg: dict, timeout_s: int = 900, env: dict[str, str] | None = None) -> dict:
+    """One engine life in its own process group (SIGKILLed afterwards); ``env`` adds to
+    ``life_env``."""
+    return run_in_fresh_process(cfg, REPO, timeout_s, command=("bench.restore_ttft", "--engine-life"),
+                                env={**life_env(timeout_s), **(env or {})})
 
 
 def _median(xs: list[float]) -> float:
