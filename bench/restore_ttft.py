@@ -313,6 +313,10 @@ def _engine_life(cfg: dict) -> dict:
             again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
             request.update(local_ttft_s=ttft_of(again), local_cached_tokens=again.num_cached_tokens or 0)
         requests.append(request)
+    if cfg.get("settle"):  # the storing life: a short request last, so the steps that copied the
+        # prompts' captures out (steps of an otherwise idle engine) reach the metrics read below
+        llm.generate([TokensPrompt(prompt_token_ids=cfg["settle"])], SamplingParams(max_tokens=1, **greedy),
+                     use_tqdm=False)
     external = 0.0
     restore = {"seconds": 0.0, "bytes": 0.0, "count": 0}  # sparkcache's histograms (worker side)
     steps: dict[str, int] = {}  # worker_step_seconds: cumulative count by bucket bound, all ranks
@@ -399,6 +403,12 @@ def step_quantiles(buckets: dict[str, int]) -> dict:
     return {"steps": count, "median_at_most_s": under(0.5), "max_at_most_s": under(1.0)}
 
 
+def median_step_at_most(steps: dict, bound_s: float) -> bool:
+    """``step_quantiles``'s median at or under ``bound_s``; no step observed is no measurement,
+    so it is not met."""
+    return steps["median_at_most_s"] is not None and steps["median_at_most_s"] <= bound_s
+
+
 # ---------------------------------------------------------------------- parent
 
 def life_env(timeout_s: int) -> dict[str, str]:
@@ -480,7 +490,8 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
     for arm in store_arms:  # the restore arms store the prompts first, in a life of their own
         t = time.monotonic()
         stored = run_life({**base, "arm": arm, "root": str(work / arm), "warmup": None, "check_tokens": 1,
-                           "repeat_local": False}, args.life_timeout)
+                           "repeat_local": False, "settle": warmup if arm == "sparkcache" else None},
+                          args.life_timeout)
         populate[arm] = [r["ttft_s"] for r in stored["requests"]]
         if arm == "sparkcache":  # the life that captures: the model thread's time in the connector
             capture_steps = step_quantiles(stored["worker_step_buckets"])
@@ -561,7 +572,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
                     "gb_per_s": rate, "raw_read": raw,
                     "of_raw_read": rate / raw["gb_per_s"] if raw["gb_per_s"] > 0 else None}
     targets["sparkcache_restore_rate_at_least_90pct_of_raw_read"] = (restore_rate["of_raw_read"] or 0) >= 0.9  # issue 41
-    targets["capturing_life_median_worker_step_at_most_1ms"] = (capture_steps["median_at_most_s"] or 0) <= 0.001
+    targets["capturing_life_median_worker_step_at_most_1ms"] = median_step_at_most(capture_steps, 0.001)
     result = {
         "bench": "restore_ttft",
         "prompt_tokens": prompt_tokens, "prompts": len(prompts), "engine": asdict(shape),
