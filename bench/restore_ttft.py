@@ -281,9 +281,12 @@ def _engine_life(cfg: dict) -> dict:
         raise RuntimeError(f"vLLM chose block size {chosen}, the bench planned {shape.block_size} "
                            "(bench.restore_ttft.hybrid_shape): fix hybrid_shape to vLLM's rule")
     greedy = dict(temperature=0.0, ignore_eos=True)
+
+    def short_request(ids: list[int]) -> None:  # one token, untimed
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+
     if cfg.get("warmup"):
-        llm.generate([TokensPrompt(prompt_token_ids=cfg["warmup"])], SamplingParams(max_tokens=1, **greedy),
-                     use_tqdm=False)
+        short_request(cfg["warmup"])
     params = SamplingParams(max_tokens=max(1, cfg["check_tokens"]), **greedy)
 
     def ttft_of(out) -> float:  # vLLM's own per-request TTFT (frontend arrival -> first token)
@@ -315,8 +318,7 @@ def _engine_life(cfg: dict) -> dict:
         requests.append(request)
     if cfg.get("settle"):  # the storing life: a short request last, so the steps that copied the
         # prompts' captures out (steps of an otherwise idle engine) reach the metrics read below
-        llm.generate([TokensPrompt(prompt_token_ids=cfg["settle"])], SamplingParams(max_tokens=1, **greedy),
-                     use_tqdm=False)
+        short_request(cfg["settle"])
     external = 0.0
     restore = {"seconds": 0.0, "bytes": 0.0, "count": 0}  # sparkcache's histograms (worker side)
     steps: dict[str, int] = {}  # worker_step_seconds: cumulative count by bucket bound, all ranks
