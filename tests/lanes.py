@@ -21,12 +21,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / ".cache" / "test-logs"
-# Upstream's tests, the restore, key, MLA and window engine lives and the field layouts' vLLM starts (CPU-bound,
-# one core) ride in the image lane, which otherwise waits on I/O, so the two lanes end closer
-# together (docs/RESULTS.md, "Test suite time").
+# Upstream's tests, the restore, key, MLA, window and multimodal engine lives and the field layouts'
+# vLLM starts (CPU-bound, one core) ride in the image lane, which otherwise waits on I/O, so the
+# two lanes end closer together (docs/RESULTS.md, "Test suite time").
 _IMAGE_LANE = ["tests/image_build", "tests/test_upstream_unchanged.py", "tests/connector/test_engine_restore.py",
                "tests/connector/test_engine_keys.py", "tests/connector/test_field_layouts.py",
-               "tests/connector/test_engine_mla.py", "tests/connector/test_engine_window.py"]
+               "tests/connector/test_engine_mla.py", "tests/connector/test_engine_window.py",
+               "tests/connector/test_engine_multimodal.py"]
 LANES = {"image": _IMAGE_LANE,
          "host": ["tests", *(f"--ignore={path}" for path in _IMAGE_LANE)]}
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from sparkcache.store import ObjectError, Reason
 from sparkcache.store import cpus
+from sparkcache.store.backend import digest_of
 from sparkcache.store.cpus import held_to
 from sparkcache.store.layout import parallel_map, pool_cpus
 from store_helpers import IDENT, conv_keys, flip_bit, open_store
@@ -119,34 +120,41 @@ def _link_elsewhere(path: str, elsewhere) -> None:
     os.symlink(elsewhere, path)
 
 
+def _three_pages(first_and_last_in_one_shard: bool) -> list[bytes]:
+    """Three random pages; the first and the last named into one shard directory, or into two."""
+    while True:
+        pages = [os.urandom(4096) for _ in range(3)]
+        if (digest_of(pages[0])[:2] == digest_of(pages[2])[:2]) == first_and_last_in_one_shard:
+            return pages
+
+
+@pytest.mark.parametrize("one_shard", [False, True], ids=["shards-apart", "one-shard"])
 @pytest.mark.parametrize("call", ["read_pages_into", "check_pages_present"])
 @pytest.mark.parametrize("damage", ["object-link", "shard-link", "objects-dir-link", "objects-dir-gone"])
-def test_a_restore_finds_its_objects_from_the_objects_directory_never_through_a_link(tmp_path, call, damage):
+def test_a_restore_finds_its_objects_from_the_objects_directory_never_through_a_link(tmp_path, call, damage, one_shard):
     """A restore walks from the root to ``objects/`` once and finds each object from there:
     a link anywhere on the way (the object, its shard, ``objects/`` itself) is ``corrupt``,
     even to the very same bytes, and ``objects/`` gone is ``absent``; nothing is written."""
     store = open_store(tmp_path / "s", page_blocks=1)
-    pages = [os.urandom(4096) for _ in range(3)]
+    pages = _three_pages(one_shard)
     assert store.publish(IDENT, conv_keys(1, 3), pages).ok
     refs = store.lookup(IDENT, conv_keys(1, 3)).handle.pages
     last = store.objects.path(refs[-1].digest)
-    if damage == "object-link":
-        _link_elsewhere(last, tmp_path / "object")
-    elif damage == "shard-link":
-        _link_elsewhere(os.path.dirname(last), tmp_path / "shard")
-    elif damage == "objects-dir-link":
-        _link_elsewhere(store.layout.objects_dir, tmp_path / "objects")
+    damaged = {"object-link": last, "shard-link": os.path.dirname(last)}.get(damage, store.layout.objects_dir)
+    # The first page refused is the first whose object lies under what was damaged.
+    first_refused = next(r for r in refs if os.path.commonpath([store.objects.path(r.digest), damaged]) == damaged)
+    if damage == "objects-dir-gone":
+        os.rename(damaged, tmp_path / "moved")
     else:
-        os.rename(store.layout.objects_dir, tmp_path / "objects")
+        _link_elsewhere(damaged, tmp_path / "moved")
     views = [[memoryview(bytearray(4096))] for _ in pages]
     with pytest.raises(ObjectError) as err:
         if call == "read_pages_into":
             store.read_pages_into(refs, lambda i: views[i])
         else:
             store.check_pages_present(refs)
-    whole_dir = damage.startswith("objects-dir")
     assert err.value.reason is (Reason.ABSENT if damage == "objects-dir-gone" else Reason.CORRUPT)
-    assert err.value.digest == (refs[0] if whole_dir else refs[-1]).digest
+    assert err.value.digest == first_refused.digest
     assert not any(any(bytes(v[0])) for v in views), "a page was written although an object was refused"
 
 
