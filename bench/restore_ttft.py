@@ -44,6 +44,9 @@ the same last tokens to compute, with no connector load. Its TTFT (``local_ttft_
 life's price of the rest of the request, so ``ttft_s - local_ttft_s`` is what the restore
 itself added (``restore_overhead_s``), free of how fast that engine life happens to compute
 (on a shared machine lives of one arm differ by more than the two restores do; docs/RESULTS.md).
+The load is also timed where it runs, with no forward in it: every arm's connector is its own with
+its lookup and load hooks timed (``bench.timed_hooks``), and ``connector_s`` is what a request
+spent in them (``connector_median_s`` per arm, paired request by request against sparkcache).
 Several prompts per life give each arm ``--reps`` x ``--prompts`` samples for the cost of
 ``--reps`` engine starts;
 the JSON also keeps the median of the first request after each restart apart. The run fails
@@ -101,6 +104,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.page_cache import evict, files_under, read_rate, resident_fraction
+from bench.timed_hooks import LOG_ENV, HookLog
 from contracts.engine_driver import RESULT_MARKER, load_cfg, run_in_fresh_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,6 +193,13 @@ class Timed:
     local_ttft_s: float             # the same prompt again right after: a local prefix hit, no load
     resident_fraction: float        # of the arm's stored files' pages, in the page cache before it
     restore_overhead_s: float       # ttft_s - local_ttft_s
+    hooks_s: dict[str, float]       # the connector's load hooks during the request, by hook (bench.timed_hooks)
+    local_hooks_s: dict[str, float]  # the same during the local repeat
+
+    @property
+    def connector_s(self) -> float:
+        """The time the request spent in the connector's load hooks: its lookup and its load."""
+        return sum(self.hooks_s.values())
 
 
 @dataclass(frozen=True)
@@ -206,6 +217,7 @@ class ArmSummary:
     external_hit_tokens: float      # vllm:external_prefix_cache_hits, summed over the timed lives
     startup_median_s: float
     populate_ttft_s: list[float] | None  # TTFT of each prompt in the storing life (no warm-up)
+    connector_median_s: float       # median of Timed.connector_s: the load timed where it runs
 
 
 def model_figures(path: str, spec, prompt_tokens: int) -> ModelFigures:
@@ -251,21 +263,24 @@ def _engine_life(cfg: dict) -> dict:
         from bench.lmcache_arm import lmcache_env
 
         os.environ.update(lmcache_env(cfg["root"]))
+    hooks = HookLog(tempfile.mkstemp(prefix="restore_ttft-hooks-")[1])
+    os.environ[LOG_ENV] = hooks.path  # the connector's processes inherit it (bench/timed_hooks.py)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    # each arm's own connector, its load hooks timed (bench.timed_hooks)
     kvt = None
     if cfg["arm"] == "sparkcache":
-        kvt = KVTransferConfig(kv_connector="SparkcacheConnector",
-                               kv_connector_module_path="sparkcache.connector", kv_role="kv_both",
+        kvt = KVTransferConfig(kv_connector="TimedSparkcacheConnector",
+                               kv_connector_module_path="bench.timed_hooks", kv_role="kv_both",
                                kv_load_failure_policy="recompute",
                                kv_connector_extra_config={"root": cfg["root"], "min_span_tokens": 64})
     elif cfg["arm"] == "example":
-        kvt = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                               kv_connector_extra_config={"shared_storage_path": cfg["root"]})
+        kvt = KVTransferConfig(kv_connector="TimedExampleConnector", kv_connector_module_path="bench.timed_hooks",
+                               kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": cfg["root"]})
     elif cfg["arm"] == "lmcache":  # vLLM's LMCacheConnectorV1 with the bench's CPU copy (bench/lmcache_arm.py)
-        kvt = KVTransferConfig(kv_connector="LMCacheCPUConnector", kv_connector_module_path="bench.lmcache_arm",
+        kvt = KVTransferConfig(kv_connector="TimedLMCacheCPUConnector", kv_connector_module_path="bench.timed_hooks",
                                kv_role="kv_both")
     t0 = time.monotonic()
     shape = EngineShape(**cfg["shape"])
@@ -307,14 +322,17 @@ def _engine_life(cfg: dict) -> dict:
         elif cfg.get("warm"):
             read_rate(stored, cold=False)  # every stored page in the page cache, as for the raw read
         resident = resident_fraction(stored)
+        hooks.take()  # what came before this request
         t = time.monotonic()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
         generate_s = time.monotonic() - t
         request = {"ttft_s": ttft_of(out), "generate_s": generate_s, "resident_fraction": resident,
-                   "check_tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens or 0}
+                   "check_tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens or 0,
+                   "hooks_s": hooks.take()}
         if cfg.get("repeat_local"):  # the same prompt again: a local prefix hit, nothing loaded
             again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            request.update(local_ttft_s=ttft_of(again), local_cached_tokens=again.num_cached_tokens or 0)
+            request.update(local_ttft_s=ttft_of(again), local_cached_tokens=again.num_cached_tokens or 0,
+                           local_hooks_s=hooks.take())
         requests.append(request)
     if cfg.get("settle"):  # the storing life: a short request last, so the steps that copied the
         # prompts' captures out (steps of an otherwise idle engine) reach the metrics read below
@@ -337,6 +355,7 @@ def _engine_life(cfg: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
+    os.unlink(hooks.path)
     return {"startup_s": startup_s, "requests": requests, "external_hit_tokens": external, "restore": restore,
             "worker_step_buckets": steps}
 
@@ -384,6 +403,8 @@ def peer_ratios(peer: str, arms: dict, timed: list) -> dict:
     paired = [pairs[(t.rep, t.prompt)].ttft_s / t.ttft_s for t in mine]
     # the load each added over its own local hit, request by request (seconds; > 0: sparkcache's is smaller)
     load_diffs = [pairs[(t.rep, t.prompt)].restore_overhead_s - t.restore_overhead_s for t in mine]
+    # the same, timed in the connectors' own hooks (no forward in it)
+    hook_diffs = [pairs[(t.rep, t.prompt)].connector_s - t.connector_s for t in mine]
     rounds = list(zip(arms["sparkcache"].life_medians_s, arms[peer].life_medians_s))
     return {f"{peer}_over_sparkcache": theirs / sc,
             f"{peer}_over_sparkcache_paired_median": _median(paired),
@@ -391,7 +412,10 @@ def peer_ratios(peer: str, arms: dict, timed: list) -> dict:
             f"sparkcache_faster_in_rounds{sfx}": f"{sum(s <= e for s, e in rounds)}/{len(rounds)}",
             f"{peer}_over_sparkcache_restore_overhead": their_over / sc_over if sc_over > 0 else None,
             f"sparkcache_load_smaller_in_pairs{sfx}": f"{sum(d >= 0 for d in load_diffs)}/{len(load_diffs)}",
-            f"{peer}_minus_sparkcache_load_paired_median_s": _median(load_diffs)}
+            f"{peer}_minus_sparkcache_load_paired_median_s": _median(load_diffs),
+            f"sparkcache_connector_time_smaller_in_pairs{sfx}": f"{sum(d >= 0 for d in hook_diffs)}/{len(hook_diffs)}",
+            f"{peer}_over_sparkcache_connector_time": (arms[peer].connector_median_s / arms["sparkcache"].connector_median_s
+                                                        if arms["sparkcache"].connector_median_s > 0 else None)}
 
 
 def step_quantiles(buckets: dict[str, int]) -> dict:
@@ -518,7 +542,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
                                        f"local tokens, not {reusable}; it is no baseline for the restore")
                 timed.append(Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
                                    r["num_cached_tokens"], r["local_ttft_s"], r["resident_fraction"],
-                                   r["ttft_s"] - r["local_ttft_s"]))
+                                   r["ttft_s"] - r["local_ttft_s"], r["hooks_s"], r["local_hooks_s"]))
             print(f"[{prompt_tokens}] [{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
                   " s, local repeat " + " ".join(f"{r['local_ttft_s']:.3f}" for r in life["requests"]) +
                   f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, stored KV in page cache "
@@ -536,7 +560,7 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
                                [_median([t.ttft_s for t in mine if t.rep == r]) for r in lives],
                                (min(t.resident_fraction for t in mine), max(t.resident_fraction for t in mine)), ts,
                                min(t.num_cached_tokens for t in mine), external[arm], _median(startups[arm]),
-                               populate.get(arm))
+                               populate.get(arm), _median([t.connector_s for t in mine]))
 
     def consistent(*names: str) -> bool:  # one greedy output per prompt across these arms' lives
         return all(len({tuple(t.check_tokens) for t in timed if t.arm in names and t.prompt == i}) == 1
@@ -558,6 +582,8 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
         outputs[f"{peer}_identical_to_sparkcache"] = consistent("sparkcache", peer)
         targets.update({f"sparkcache_at_least_as_fast_as_{peer}": sc <= arms[peer].ttft_median_s,
                         f"sparkcache_restore_overhead_at_most_{peer}": sc_over <= arms[peer].restore_overhead_median_s,
+                        f"sparkcache_connector_time_at_most_{peer}":
+                            arms["sparkcache"].connector_median_s <= arms[peer].connector_median_s,
                         f"{peer}_restored_everything": arms[peer].num_cached_tokens == restorable[peer]})
     # every restore arm that restores the same prefix as sparkcache: the same greedy output (an
     # arm that restores another prefix prefills another split, which may change it; its
@@ -618,7 +644,8 @@ def curve(points: list[dict]) -> list[dict]:
                "recompute_ttft_s": p["recompute"]["ttft_median_s"],
                "restore_gb_per_s": p["restore_rate"]["gb_per_s"],
                "raw_read_gb_per_s": p["restore_rate"]["raw_read"]["gb_per_s"],
-               "pairs": p["ratios"].get("sparkcache_load_smaller_in_pairs")}
+               "pairs": p["ratios"].get("sparkcache_load_smaller_in_pairs"),
+               "connector_pairs": p["ratios"].get("sparkcache_connector_time_smaller_in_pairs")}
         for arm in ("sparkcache", *PEER_ARMS):
             if arm in p["arms"]:
                 added = p["arms"][arm]["restore_overhead_median_s"]
@@ -626,6 +653,7 @@ def curve(points: list[dict]) -> list[dict]:
                 row[f"{arm}_ttft_s"] = p["arms"][arm]["ttft_median_s"]
                 row[f"{arm}_load_added_s"] = added
                 row[f"{arm}_load_gb_per_s"] = placed / added / 1e9 if added > 0 else None
+                row[f"{arm}_connector_s"] = p["arms"][arm]["connector_median_s"]
         rows.append(row)
     return rows
 
@@ -678,12 +706,12 @@ def table(result: dict) -> str:
              + (f", {m['state_bytes_per_entry']} recurrent-state bytes per entry" if m["state_bytes_per_entry"] else ""),
              f"{result['prompts']} prompts of {result['prompt_tokens']} tokens, median of {result['reps']} "
              f"restarts x {result['prompts']} requests per arm",
-             f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'1st s':>9}{'local s':>9}{'added s':>9}{'cached':>8}"
-             f"{'vs recompute':>14}{'in page cache':>15}"]
+             f"{'arm':<12}{'TTFT s':>9}{'min s':>9}{'1st s':>9}{'local s':>9}{'added s':>9}{'hooks s':>9}"
+             f"{'cached':>8}{'vs recompute':>14}{'in page cache':>15}"]
     for arm, s in arms.items():
         lines.append(f"{arm:<12}{s['ttft_median_s']:>9.3f}{s['ttft_min_s']:>9.3f}"
                      f"{s['first_after_restart_median_s']:>9.3f}{s['local_ttft_median_s']:>9.3f}"
-                     f"{s['restore_overhead_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
+                     f"{s['restore_overhead_median_s']:>9.3f}{s['connector_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
                      f"{rec / s['ttft_median_s']:>13.2f}x{s['resident_fraction_range'][0]:>9.0%}-"
                      f"{s['resident_fraction_range'][1]:.0%}")
     if "recompute" not in arms:
@@ -701,12 +729,15 @@ def table(result: dict) -> str:
 def curve_table(result: dict) -> str:
     lines = [table(p) + "\n" for p in result["points"]]
     lines.append(f"{'tokens':>8}{'MB':>8}{'recompute s':>13}{'sc added ms':>13}{'ex added ms':>13}{'lm added ms':>13}"
-                 f"{'sc GB/s':>9}{'ex GB/s':>9}{'lm GB/s':>9}{'restore GB/s':>14}{'raw GB/s':>10}{'sc<=ex pairs':>14}")
+                 f"{'sc GB/s':>9}{'ex GB/s':>9}{'lm GB/s':>9}{'restore GB/s':>14}{'raw GB/s':>10}{'sc<=ex pairs':>14}"
+                 f"{'sc hooks ms':>13}{'ex hooks ms':>13}{'lm hooks ms':>13}{'hooks pairs':>13}")
     for r in result["curve"]:  # an arm a point did not run shows 0
         lines.append(f"{r['prompt_tokens']:>8}{r['restored_bytes_per_request'] / 1e6:>8.0f}{r['recompute_ttft_s']:>13.2f}"
                      + "".join(f"{r.get(f'{a}_load_added_s', 0) * 1e3:>13.1f}" for a in ("sparkcache", *PEER_ARMS))
                      + "".join(f"{r.get(f'{a}_load_gb_per_s') or 0:>9.2f}" for a in ("sparkcache", *PEER_ARMS))
-                     + f"{r['restore_gb_per_s']:>14.2f}{r['raw_read_gb_per_s']:>10.2f}{r['pairs']!s:>14}")
+                     + f"{r['restore_gb_per_s']:>14.2f}{r['raw_read_gb_per_s']:>10.2f}{r['pairs']!s:>14}"
+                     + "".join(f"{r.get(f'{a}_connector_s', 0) * 1e3:>13.1f}" for a in ("sparkcache", *PEER_ARMS))
+                     + f"{r['connector_pairs']!s:>13}")
     return "\n".join(lines)
 
 
