@@ -194,11 +194,11 @@ class Timed:
     resident_fraction: float        # of the arm's stored files' pages, in the page cache before it
     restore_overhead_s: float       # ttft_s - local_ttft_s
     hooks_s: dict[str, float]       # the connector's load hooks during the request, by hook (bench.timed_hooks)
-    local_hooks_s: dict[str, float]  # the same during the local repeat
 
     @property
     def connector_s(self) -> float:
-        """The time the request spent in the connector's load hooks: its lookup and its load."""
+        """The time the request spent in the connector's load hooks, its lookup and its load: a
+        sum over the processes that ran them (on this CPU engine, one worker), not a critical path."""
         return sum(self.hooks_s.values())
 
 
@@ -263,8 +263,10 @@ def _engine_life(cfg: dict) -> dict:
         from bench.lmcache_arm import lmcache_env
 
         os.environ.update(lmcache_env(cfg["root"]))
-    hooks = HookLog(tempfile.mkstemp(prefix="restore_ttft-hooks-")[1])
-    os.environ[LOG_ENV] = hooks.path  # the connector's processes inherit it (bench/timed_hooks.py)
+    # beside the arm's root, not in it (its files are what is evicted and read raw); the
+    # connector's processes inherit the variable (bench/timed_hooks.py)
+    hooks = HookLog(f"{cfg['root']}.hooks-{os.getpid()}")
+    os.environ[LOG_ENV] = hooks.path
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -331,8 +333,7 @@ def _engine_life(cfg: dict) -> dict:
                    "hooks_s": hooks.take()}
         if cfg.get("repeat_local"):  # the same prompt again: a local prefix hit, nothing loaded
             again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            request.update(local_ttft_s=ttft_of(again), local_cached_tokens=again.num_cached_tokens or 0,
-                           local_hooks_s=hooks.take())
+            request.update(local_ttft_s=ttft_of(again), local_cached_tokens=again.num_cached_tokens or 0)
         requests.append(request)
     if cfg.get("settle"):  # the storing life: a short request last, so the steps that copied the
         # prompts' captures out (steps of an otherwise idle engine) reach the metrics read below
@@ -355,7 +356,6 @@ def _engine_life(cfg: dict) -> dict:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
-    os.unlink(hooks.path)
     return {"startup_s": startup_s, "requests": requests, "external_hit_tokens": external, "restore": restore,
             "worker_step_buckets": steps}
 
@@ -540,9 +540,12 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
                 if r["local_cached_tokens"] < reusable:
                     raise RuntimeError(f"[{arm}] rep {rep} prompt {i}: the repeat hit {r['local_cached_tokens']} "
                                        f"local tokens, not {reusable}; it is no baseline for the restore")
+                if arm != "recompute" and not sum(r["hooks_s"].values()) > 0:
+                    raise RuntimeError(f"[{arm}] rep {rep} prompt {i}: the connector's hooks recorded no time "
+                                       f"(bench.timed_hooks); its load cannot be compared")
                 timed.append(Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
                                    r["num_cached_tokens"], r["local_ttft_s"], r["resident_fraction"],
-                                   r["ttft_s"] - r["local_ttft_s"], r["hooks_s"], r["local_hooks_s"]))
+                                   r["ttft_s"] - r["local_ttft_s"], r["hooks_s"]))
             print(f"[{prompt_tokens}] [{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
                   " s, local repeat " + " ".join(f"{r['local_ttft_s']:.3f}" for r in life["requests"]) +
                   f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, stored KV in page cache "
@@ -711,7 +714,9 @@ def table(result: dict) -> str:
     for arm, s in arms.items():
         lines.append(f"{arm:<12}{s['ttft_median_s']:>9.3f}{s['ttft_min_s']:>9.3f}"
                      f"{s['first_after_restart_median_s']:>9.3f}{s['local_ttft_median_s']:>9.3f}"
-                     f"{s['restore_overhead_median_s']:>9.3f}{s['connector_median_s']:>9.3f}{s['num_cached_tokens']:>8}"
+                     f"{s['restore_overhead_median_s']:>9.3f}"
+                     + (f"{'-':>9}" if arm == "recompute" else f"{s['connector_median_s']:>9.3f}") +
+                     f"{s['num_cached_tokens']:>8}"
                      f"{rec / s['ttft_median_s']:>13.2f}x{s['resident_fraction_range'][0]:>9.0%}-"
                      f"{s['resident_fraction_range'][1]:.0%}")
     if "recompute" not in arms:

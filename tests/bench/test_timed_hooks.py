@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ class _Hooks:
         raise ValueError("from the hook")
 
     def build_connector_meta(self, scheduler_output):
+        time.sleep(0.05)
         return scheduler_output
 
     def start_load_kv(self, forward_context, **kwargs):
@@ -63,8 +65,16 @@ def test_a_timed_hook_returns_and_raises_what_the_hook_does_and_records_each_cal
         hooks.update_state_after_alloc(1, 2, 3)
     took = log.take()
     assert all(took[hook] > 0 for hook in HOOKS)
+    assert 0.05 <= took["build_connector_meta"] < 5  # the hook's own time, in seconds
     assert log.take() == dict.fromkeys(HOOKS, 0.0)  # counted once
     os.close(timed_hooks._fd[0])
+
+
+def test_outside_a_bench_life_a_timed_hook_records_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(LOG_ENV, raising=False)
+    monkeypatch.setattr(timed_hooks, "_fd", [])
+    assert timed_hooks.timed(_Hooks)().build_connector_meta("meta") == "meta"
+    assert timed_hooks._fd == []
 
 
 _WRITER = """import sys
@@ -78,7 +88,9 @@ def test_the_log_counts_every_line_of_two_processes_and_a_line_being_written_wai
     env = {**os.environ, LOG_ENV: log.path}
     writers = [subprocess.Popen([sys.executable, "-c", _WRITER, "2000", hook], cwd=REPO, env=env)
                for hook in ("start_load_kv", "get_num_new_matched_tokens")]
-    taken = [log.take() for _ in range(50)]  # while they write
+    taken = []
+    while any(w.poll() is None for w in writers):  # read while they write
+        taken.append(log.take())
     assert [w.wait(timeout=120) for w in writers] == [0, 0]
     with open(log.path, "ab") as f:
         f.write(b"start_load_kv 7")  # a line not yet whole
