@@ -405,6 +405,7 @@ def peer_ratios(peer: str, arms: dict, timed: list) -> dict:
     load_diffs = [pairs[(t.rep, t.prompt)].restore_overhead_s - t.restore_overhead_s for t in mine]
     # the same, timed in the connectors' own hooks (no forward in it)
     hook_diffs = [pairs[(t.rep, t.prompt)].connector_s - t.connector_s for t in mine]
+    sc_hooks = arms["sparkcache"].connector_median_s
     rounds = list(zip(arms["sparkcache"].life_medians_s, arms[peer].life_medians_s))
     return {f"{peer}_over_sparkcache": theirs / sc,
             f"{peer}_over_sparkcache_paired_median": _median(paired),
@@ -414,8 +415,7 @@ def peer_ratios(peer: str, arms: dict, timed: list) -> dict:
             f"sparkcache_load_smaller_in_pairs{sfx}": f"{sum(d >= 0 for d in load_diffs)}/{len(load_diffs)}",
             f"{peer}_minus_sparkcache_load_paired_median_s": _median(load_diffs),
             f"sparkcache_connector_time_smaller_in_pairs{sfx}": f"{sum(d >= 0 for d in hook_diffs)}/{len(hook_diffs)}",
-            f"{peer}_over_sparkcache_connector_time": (arms[peer].connector_median_s / arms["sparkcache"].connector_median_s
-                                                        if arms["sparkcache"].connector_median_s > 0 else None)}
+            f"{peer}_over_sparkcache_connector_time": arms[peer].connector_median_s / sc_hooks if sc_hooks > 0 else None}
 
 
 def step_quantiles(buckets: dict[str, int]) -> dict:
@@ -540,12 +540,13 @@ def run_point(args: argparse.Namespace, prompt_tokens: int) -> dict:
                 if r["local_cached_tokens"] < reusable:
                     raise RuntimeError(f"[{arm}] rep {rep} prompt {i}: the repeat hit {r['local_cached_tokens']} "
                                        f"local tokens, not {reusable}; it is no baseline for the restore")
-                if arm != "recompute" and not sum(r["hooks_s"].values()) > 0:
+                request = Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
+                                r["num_cached_tokens"], r["local_ttft_s"], r["resident_fraction"],
+                                r["ttft_s"] - r["local_ttft_s"], r["hooks_s"])
+                if arm != "recompute" and not request.connector_s > 0:
                     raise RuntimeError(f"[{arm}] rep {rep} prompt {i}: the connector's hooks recorded no time "
                                        f"(bench.timed_hooks); its load cannot be compared")
-                timed.append(Timed(arm, rep, i, r["ttft_s"], r["generate_s"], r["check_tokens"],
-                                   r["num_cached_tokens"], r["local_ttft_s"], r["resident_fraction"],
-                                   r["ttft_s"] - r["local_ttft_s"], r["hooks_s"]))
+                timed.append(request)
             print(f"[{prompt_tokens}] [{arm}] rep {rep}: ttft " + " ".join(f"{r['ttft_s']:.3f}" for r in life["requests"]) +
                   " s, local repeat " + " ".join(f"{r['local_ttft_s']:.3f}" for r in life["requests"]) +
                   f" s (cached {min(r['num_cached_tokens'] for r in life['requests'])}, stored KV in page cache "

@@ -24,6 +24,7 @@ On an accelerator these hooks would time an asynchronous copy's start, not the c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import time
@@ -49,13 +50,13 @@ def _record(hook: str, seconds: float) -> None:
 
 
 def _timer(hook: str, method):
+    @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         t = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
             _record(hook, time.perf_counter() - t)
-    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
     return wrapper
 
 
