@@ -29,6 +29,7 @@ import importlib
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 LOG_ENV = "RESTORE_TTFT_HOOK_LOG"  # not SPARKCACHE_*: sparkcache refuses names it does not know
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "start_load_kv")
@@ -76,19 +77,22 @@ def __getattr__(name: str) -> type:  # vLLM's factory: getattr(module, kv_connec
 
 @dataclass
 class HookLog:
-    """The lines a life's connectors appended to ``path``, read a request at a time."""
+    """The lines a life's connectors appended to ``path``, read a request at a time. The file
+    (and its folder: the arm's root beside it may be made only by its connector) is made here,
+    before any connector writes."""
     path: str
     offset: int = 0
+
+    def __post_init__(self) -> None:
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.path).touch()
 
     def take(self) -> dict[str, float]:
         """Seconds per hook in the lines added since the last call (every hook of ``HOOKS``)."""
         totals = dict.fromkeys(HOOKS, 0.0)
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return totals
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
         whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next call
         self.offset += len(whole)
         for line in whole.decode().splitlines():

@@ -57,7 +57,7 @@ def test_a_timed_hook_returns_and_raises_what_the_hook_does_and_records_each_cal
     monkeypatch.setenv(LOG_ENV, log.path)
     monkeypatch.setattr(timed_hooks, "_fd", [])  # this process's descriptor, opened on the first call
     hooks = timed_hooks.timed(_Hooks)()
-    assert log.take() == dict.fromkeys(HOOKS, 0.0)  # no file yet
+    assert log.take() == dict.fromkeys(HOOKS, 0.0)  # nothing written yet
     assert hooks.get_num_new_matched_tokens(21, num_computed_tokens=5) == (42, 5)
     assert hooks.start_load_kv(None, layer="x") == {"layer": "x"}
     assert hooks.build_connector_meta("meta") == "meta"
@@ -67,6 +67,17 @@ def test_a_timed_hook_returns_and_raises_what_the_hook_does_and_records_each_cal
     assert all(took[hook] > 0 for hook in HOOKS)
     assert 0.05 <= took["build_connector_meta"] < 5  # the hook's own time, in seconds
     assert log.take() == dict.fromkeys(HOOKS, 0.0)  # counted once
+    os.close(timed_hooks._fd[0])
+
+
+def test_a_log_beside_a_root_not_made_yet_records_the_first_hook(tmp_path, monkeypatch):
+    # bench.corruption's roots (work/<arm>/<variant>) and ExampleConnector's storage path are
+    # made by the life, not before it; the log beside the root must take the first line anyway
+    log = HookLog(str(tmp_path / "example" / "stored.hooks-1"))
+    monkeypatch.setenv(LOG_ENV, log.path)
+    monkeypatch.setattr(timed_hooks, "_fd", [])
+    assert timed_hooks.timed(_Hooks)().start_load_kv(None) == {}
+    assert log.take()["start_load_kv"] > 0
     os.close(timed_hooks._fd[0])
 
 
