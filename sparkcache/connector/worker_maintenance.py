@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from sparkcache.store import MaintenanceThread, PassBudget, PassReport
 from sparkcache.store.locks import take_lock_timeouts
@@ -28,7 +28,8 @@ logger = logging.getLogger("sparkcache.connector")
 
 
 class WorkerMaintenance:
-    def __init__(self, store: PageStore, settings: Settings) -> None:
+    def __init__(self, store: PageStore, settings: Settings, pace: Callable[[], None] | None = None) -> None:
+        """``pace``: called before each pass, which waits while it does."""
         self.root = settings.root
         self.layout = store.layout
         self._lock = threading.Lock()
@@ -38,7 +39,7 @@ class WorkerMaintenance:
         self._error_logged = False
         self.thread = MaintenanceThread(
             store, PassBudget.from_settings(settings), settings.maintenance_interval_seconds,
-            nice=None, on_report=self._on_pass, keep_reports=100).start()
+            nice=None, on_report=self._on_pass, keep_reports=100, pace=pace).start()
 
     def trigger(self) -> None:
         self.thread.trigger()

@@ -138,7 +138,7 @@ class WorkerSide:
         self.slots: CaptureSlots[_PublishJob, str] | None = None  # tagged by request id
         self._slot_stats_taken = CaptureSlotStats()  # the slots' counts at the last take_stats
         self.maintenance: WorkerMaintenance | None = None
-        self.hold = PrefillHold()  # publication holds still while a step prefills
+        self.hold = PrefillHold()  # publication and maintenance hold still while a step prefills
         self.remote: RemoteTier | None = None  # the shared tier this rank uploads to (writing workers)
         if store is not None and settings.access_mode in ("read-write", "store-only"):
             # before the publisher and maintenance threads start: they move off these CPUs
@@ -153,7 +153,7 @@ class WorkerSide:
             # vLLM's engine core)
             self._copier = ThreadPoolExecutor(1, "sparkcache-copy", initializer=cpus.run_as_publisher)
             self._copier.submit(int)  # its thread starts now, not in the first capture's step
-            self.maintenance = WorkerMaintenance(store, settings)  # keeps the store under max_bytes
+            self.maintenance = WorkerMaintenance(store, settings, self.hold.wait)  # keeps the store under max_bytes
             # the shared tier (SPARKCACHE_REMOTE_BUCKET set): what this rank publishes is
             # uploaded by the tier's thread, placed as the publisher is (off the model's CPUs)
             self.remote = RemoteTier.from_settings(settings, store)

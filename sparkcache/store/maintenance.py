@@ -380,12 +380,13 @@ class MaintenanceThread:
 
     ``nice`` is the thread's own niceness (None: inherit the process's). A pass's budget is
     wall time, so a thread niced below a saturated CPU waits for the CPU at every blocking
-    call; see docs/SIZING.md before raising it."""
+    call; see docs/SIZING.md before raising it. ``pace`` is called before each pass, which
+    waits while it does (the connector holds maintenance there while the model prefills)."""
 
     def __init__(self, store: PageStore, budget: PassBudget, interval_s: float, *,
                  sweep_every_s: float = 30.0, nice: int | None = 10,
                  on_report: Callable[[PassReport], None] | None = None,
-                 keep_reports: int = 10000) -> None:
+                 keep_reports: int = 10000, pace: Callable[[], None] | None = None) -> None:
         check_number("MaintenanceThread", "interval_s", interval_s, above=0, unit="seconds",
                      setting="SPARKCACHE_MAINTENANCE_INTERVAL_SECONDS")
         check_number("MaintenanceThread", "sweep_every_s", sweep_every_s, minimum=0, unit="seconds")
@@ -398,6 +399,7 @@ class MaintenanceThread:
         self.sweep_every_s = sweep_every_s
         self.nice = nice
         self.on_report = on_report
+        self.pace = pace or (lambda: None)  # called before each pass; may wait
         self.reports: collections.deque[PassReport] = collections.deque(maxlen=keep_reports)
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -443,6 +445,7 @@ class MaintenanceThread:
                     self._wake.wait(self.interval_s)
                     self._wake.clear()
                     continue
+                self.pace()
                 report = run_pass(self.store, self.budget, sweep_shards=16 if sweep_due else 0)
                 if sweep_due:
                     last_sweep = time.monotonic()

@@ -169,8 +169,9 @@ class PageStore:
         chunk at a time, so an entry of any length goes through a bounded buffer; a producer
         that fails refuses the publication with ``source_failed``). ``state``: a hybrid
         model's recurrent state after the last block, stored as one more object of the entry.
-        ``pace``: called before each page is put; the publication waits while it does (the
-        connector holds publication there while the model prefills).
+        ``pace``: called before each chunk of pages is hashed and each page is put; the
+        publication waits while it does (the connector holds publication there while the
+        model prefills).
         """
         if self.read_only:
             raise PermissionError(f"{self.layout.base}: opened read-only; publishing needs a "

@@ -48,7 +48,7 @@ class PublicationWriter:
         self.layout = layout
         self.objects = objects
         self.staging = staging
-        self.pace = pace or (lambda: None)  # called before each page is put; may wait
+        self.pace = pace or (lambda: None)  # called before each chunk is hashed and each page put; may wait
         self.batch = objects.put_batch(staging, cached=cached)
         self.receipt = PutReceipt()  # what the batch put, once committed
         self.placing = False  # whether the manifest's rename was attempted
@@ -64,6 +64,7 @@ class PublicationWriter:
         refs: list[PageRef | None] = [reused.get(i) for i in range(len(stream.sizes))]
         seen: set[str] = set()
         for chunk in stream.checked_chunks():
+            self.pace()
             views = [page for _, page in chunk if not isinstance(page, NewObject)]
             big = sum(map(len, views)) > _PARALLEL_HASH_BYTES
             hashed: Iterator[NewObject] = (parallel_imap(NewObject.of, views, "publish") if big

@@ -1,7 +1,9 @@
-"""Publication holds still while the model prefills (``prefill_hold.py``): the model's thread
-and the publisher share one interpreter lock, and a prefill is what a waiting user's first
-token waits on. A step that prefills holds publication at its next page until the step's
-forward is done, for at most ``max_s``; a decode step holds nothing.
+"""Background work holds still while the model prefills (``prefill_hold.py``): the model's
+thread, the publisher and the maintenance thread share one interpreter lock (and, on a
+machine of two cores, the cores), and a prefill is what a waiting user's first token waits
+on. A step that prefills holds publication and maintenance until its first token is out (the
+next step starts without prefilling, or ``tail_s`` after its forward), for at most ``max_s``;
+a decode step holds nothing.
 
 Real parts: vLLM's Scheduler with sparkcache's scheduler half (what a step's metadata says),
 sparkcache's worker half capturing out of vLLM's own CPU KV layout into its store on disk."""
@@ -34,8 +36,8 @@ def _waiter(hold: PrefillHold) -> tuple[threading.Thread, list[float]]:
     return thread, took
 
 
-def test_a_prefill_step_holds_the_publisher_until_its_forward_is_done():
-    hold = PrefillHold(max_s=30)
+def test_a_prefill_step_holds_the_publisher_until_the_next_step_starts_without_prefilling():
+    hold = PrefillHold(max_s=30, tail_s=30)
     hold.step(0)  # a decode step: nothing held
     thread, took = _waiter(hold)
     thread.join(5)
@@ -45,8 +47,26 @@ def test_a_prefill_step_holds_the_publisher_until_its_forward_is_done():
     thread.join(0.2)
     assert thread.is_alive() and not took, "the publisher went on while the step prefilled"
     hold.step_done()
+    thread.join(0.2)
+    assert thread.is_alive() and not took, "the publisher went on before the first token was out"
+    hold.step(7)  # the next step prefills too (another request's chunk): still held
+    hold.step_done()
+    thread.join(0.2)
+    assert thread.is_alive() and not took
+    hold.step(0)  # a step that only decodes: the first tokens are out
     thread.join(5)
-    assert took and 0.2 <= took[0] < 5 and hold.held_s >= 0.2
+    assert took and 0.6 <= took[0] < 5 and hold.held_s >= 0.6
+
+
+def test_a_prefill_step_with_no_step_after_it_holds_the_publisher_for_its_tail():
+    hold = PrefillHold(max_s=30, tail_s=0.3)
+    hold.step(255)
+    thread, took = _waiter(hold)
+    thread.join(0.2)
+    assert thread.is_alive() and not took
+    hold.step_done()  # the engine goes idle: no step releases the hold
+    thread.join(10)
+    assert took and 0.2 + 0.25 <= took[0] < 5, "the tail did not hold, or held past its bound"
 
 
 def test_a_long_prefill_holds_the_publisher_no_longer_than_its_bound():

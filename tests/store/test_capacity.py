@@ -336,3 +336,34 @@ def test_a_refresh_while_discard_unlinks_manifests_brings_no_entry_back(tmp_path
     assert store.capacity().entries == 1 and store.capacity().used_bytes == 8192
     assert not any(os.path.exists(p) for p in pages)
     assert verify_store(store.layout).ok
+
+
+def test_a_maintenance_pass_waits_in_its_pace_and_evicts_nothing_meanwhile(tmp_path):
+    """``pace`` is called before each pass (the connector holds maintenance there while the
+    model prefills): while it waits, the store over its max stays as it is."""
+    import threading
+
+    store = _small_store(tmp_path)
+    _fill(store, range(11))
+    go = threading.Event()
+    paced = threading.Event()
+
+    def pace() -> None:
+        paced.set()
+        go.wait(30)
+
+    thread = MaintenanceThread(store, PassBudget(), 0.05, sweep_every_s=3600, pace=pace).start()
+    try:
+        assert paced.wait(30), "the maintenance thread never came to its pace"
+        threading.Event().wait(0.3)
+        assert not thread.reports and store.capacity().over_max, "a pass ran while its pace held it"
+        assert len(store.entries()) == 11
+        go.set()
+        for _ in range(3000):
+            if thread.reports:
+                break
+            threading.Event().wait(0.01)
+    finally:
+        go.set()
+        thread.stop()
+    assert thread.error is None and thread.reports and not store.capacity().over_max

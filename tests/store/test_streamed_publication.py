@@ -119,13 +119,16 @@ def test_a_state_after_a_stream_through_one_buffer_leaves_every_page_its_bytes(t
     assert bytes(store.read_pages([found.handle.state])[0]) == b"state"
 
 
-def test_a_publication_waits_in_its_pace_before_each_page_and_writes_nothing_meanwhile(tmp_path):
-    """``pace`` is called before each page is put (the connector holds publication there
-    while the model prefills): while it waits, no object of the publication is written."""
+def test_a_publication_waits_in_its_pace_before_each_chunk_and_page_and_writes_nothing_meanwhile(tmp_path):
+    """``pace`` is called before each chunk of pages is hashed and before each page is put
+    (the connector holds publication there while the model prefills): while it waits, no
+    object of the publication is written, and the first call comes before any hashing."""
     import threading
 
     store = open_store(str(tmp_path / "s"), page_blocks=1)
     pages = [page_bytes(31, b, 1) for b in range(4)]
+    stream = PageStream.of(pages)
+    chunks = len(list(PageStream.of(pages).checked_chunks()))
     go = threading.Event()
     calls: list[int] = []
 
@@ -134,7 +137,7 @@ def test_a_publication_waits_in_its_pace_before_each_page_and_writes_nothing_mea
         go.wait(30)
 
     done: list = []
-    publisher = threading.Thread(target=lambda: done.append(store.publish(IDENT, conv_keys(31, 4), pages, pace=pace)))
+    publisher = threading.Thread(target=lambda: done.append(store.publish(IDENT, conv_keys(31, 4), stream, pace=pace)))
     publisher.start()
     try:
         for _ in range(200):
@@ -146,5 +149,5 @@ def test_a_publication_waits_in_its_pace_before_each_page_and_writes_nothing_mea
     finally:
         go.set()
         publisher.join(30)
-    assert done and done[0].ok and len(calls) == 4, (done, calls)
+    assert done and done[0].ok and len(calls) == chunks + 4, (done, calls, chunks)
     assert len(store.objects.list()) == 4
