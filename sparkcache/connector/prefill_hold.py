@@ -57,10 +57,10 @@ class PrefillHold:
         if not self._held:
             return
         t = time.monotonic()
-        with self._changed:
+        with self._changed:  # the publisher and the maintenance thread may both wait
             while self._held and (left := self._until - time.monotonic()) > 0:
                 self._changed.wait(left)
-        self.held_s += time.monotonic() - t
+            self.held_s += time.monotonic() - t
 
 
 def prefill_tokens(num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]] | None) -> int:
