@@ -11,9 +11,10 @@ waits on (Report B's probe: docs/SIZING.md), while a publication only delays whe
 can be restored and a maintenance pass when the store is trimmed; so a step that prefills
 holds the publisher (before each chunk it hashes and each page it puts) and the maintenance
 thread (before each pass) until the step's first token is out: until the next step starts
-without prefilling, or ``tail_s`` after the step's forward when none follows. Never longer
-than ``max_s`` from the step's start (a long prompt's prefill may take minutes on a CPU; what
-the slots hold meanwhile is bounded, and never waits past that).
+without prefilling, or ``tail_s`` after the step's forward when none follows. No wait lasts
+longer than ``max_s``, from the step's start or, while step after step prefills (a long
+prompt's chunks may take minutes on a CPU), from the wait's own start: what the slots hold
+meanwhile is bounded, and publication and maintenance go on between its waits.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class PrefillHold:
             return
         t = time.monotonic()
         with self._changed:  # the publisher and the maintenance thread may both wait
-            while self._held and (left := self._until - time.monotonic()) > 0:
+            # never past max_s from here, even while step after step prefills
+            while self._held and (left := min(self._until, t + self.max_s) - time.monotonic()) > 0:
                 self._changed.wait(left)
             self.held_s += time.monotonic() - t
 

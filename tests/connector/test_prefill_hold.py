@@ -77,6 +77,21 @@ def test_a_long_prefill_holds_the_publisher_no_longer_than_its_bound():
     assert took and 0.25 <= took[0] < 5, "a long prefill held publication past its bound"
 
 
+def test_step_after_step_of_prefill_holds_each_wait_no_longer_than_its_bound():
+    """A long prompt prefills in many steps: each re-arms the hold, but a wait that began
+    under one of them ends ``max_s`` after it began."""
+    hold = PrefillHold(max_s=0.3, tail_s=30)
+    hold.step(2048)
+    thread, took = _waiter(hold)
+    stop = time.monotonic() + 3
+    while time.monotonic() < stop and thread.is_alive():  # a chunk every 50 ms
+        hold.step_done()
+        hold.step(2048)
+        time.sleep(0.05)
+    thread.join(1)
+    assert took and 0.25 <= took[0] < 1.5, f"a wait lasted {took} while step after step prefilled"
+
+
 def test_prefill_tokens_count_what_a_step_schedules_beyond_decoding():
     assert prefill_tokens({}, {}) == 0
     assert prefill_tokens({"a": 1, "b": 1}, None) == 0
