@@ -327,6 +327,12 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM binds each step's metadata before its forward (start_load_kv may come after it)
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, SparkcacheConnectorMetadata):
+            self._worker.hold.step(connector_metadata.prefill_tokens)
+
     # **kwargs of the two hooks below, typed as in vLLM's signatures: whatever vLLM passes, unused
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
@@ -334,7 +340,6 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         assert isinstance(meta, SparkcacheConnectorMetadata)
         with self._in_step():
-            self._worker.hold.step(meta.prefill_tokens)
             for plan in meta.captures:
                 self._worker.capture(plan)
         for plan in meta.loads:  # timed on their own (restore_seconds)

@@ -11,10 +11,13 @@ waits on (Report B's probe: docs/SIZING.md), while a publication only delays whe
 can be restored and a maintenance pass when the store is trimmed; so a step that prefills
 holds the publisher (before each chunk it hashes and each page it puts) and the maintenance
 thread (before each pass) until the step's first token is out: until the next step starts
-without prefilling, or ``tail_s`` after the step's forward when none follows. No wait lasts
-longer than ``max_s``, from the step's start or, while step after step prefills (a long
-prompt's chunks may take minutes on a CPU), from the wait's own start: what the slots hold
-meanwhile is bounded, and publication and maintenance go on between its waits.
+without prefilling, or ``tail_s`` after the step's forward when none follows. The hold is
+armed when vLLM binds a step's metadata, before its forward (vLLM 0.32.0 calls
+``start_load_kv`` after the forward unless the step loads synchronously). It never holds
+longer than ``max_s`` at a stretch: while step after step prefills (a long prompt's chunks,
+or a server that always has a prompt in flight) background work then runs free for
+``free_s`` before the next stretch, so what the slots hold stays bounded and publication and
+maintenance keep at least half the time.
 """
 
 from __future__ import annotations
@@ -22,29 +25,41 @@ from __future__ import annotations
 import threading
 import time
 
-HOLD_MAX_S = 0.5  # the longest one step's prefill holds background work
+HOLD_MAX_S = 0.5  # the longest background work is held at a stretch
+HOLD_FREE_S = 0.5  # after a hold of HOLD_MAX_S, background work runs this long before the next
 HOLD_TAIL_S = 0.05  # after a prefill step's forward, when no step follows to release the hold
 
 
 class PrefillHold:
-    """``step(prefill_tokens)`` at the start of a step's forward, ``step_done()`` after it (both
-    on the model's thread); ``wait()`` on a background thread before each piece of work."""
+    """``step(prefill_tokens)`` before a step's forward (``bind_connector_metadata``, on the
+    model's thread), ``step_done()`` after it; ``wait()`` on a background thread before each
+    piece of work."""
 
-    def __init__(self, max_s: float = HOLD_MAX_S, tail_s: float = HOLD_TAIL_S) -> None:
+    def __init__(self, max_s: float = HOLD_MAX_S, tail_s: float = HOLD_TAIL_S,
+                 free_s: float = HOLD_FREE_S) -> None:
         self.max_s = max_s
         self.tail_s = tail_s
+        self.free_s = free_s
         self._changed = threading.Condition(threading.Lock())
         self._held = False
-        self._until = 0.0
+        self._since = 0.0  # when this stretch of holding began
+        self._until = 0.0  # the tail's end: the hold's end if no step releases it sooner
+        self._free_until = 0.0  # a stretch that reached max_s leaves background work this long
         self.held_s = 0.0  # time background work spent held, all told
 
     def step(self, prefill_tokens: int) -> None:
         with self._changed:
-            if prefill_tokens > 0:
-                self._held, self._until = True, time.monotonic() + self.max_s
-            elif self._held:
-                self._held = False  # a decode step: the prefill's first token is out
-                self._changed.notify_all()
+            now = time.monotonic()
+            if prefill_tokens <= 0 or now < self._free_until:
+                self._release()  # a decode step: the prefill's first token is out
+                return
+            if self._held and now >= self._since + self.max_s and self._since + self.max_s <= self._until:
+                self._give_way(self._since + self.max_s)  # step after step prefilled for max_s
+                if now < self._free_until:
+                    return
+            if not self._held or now >= self._until:  # a new stretch (the last one's tail ran out)
+                self._held, self._since = True, now
+            self._until = now + self.max_s
 
     def step_done(self) -> None:
         """The step's forward is done: a prefill's hold lasts until the next step starts,
@@ -59,10 +74,22 @@ class PrefillHold:
             return
         t = time.monotonic()
         with self._changed:  # the publisher and the maintenance thread may both wait
-            # never past max_s from here, even while step after step prefills
-            while self._held and (left := min(self._until, t + self.max_s) - time.monotonic()) > 0:
+            while self._held and (left := min(self._until, self._since + self.max_s) - time.monotonic()) > 0:
                 self._changed.wait(left)
+            if self._held and self._since + self.max_s <= min(self._until, time.monotonic()):
+                self._give_way(self._since + self.max_s)
             self.held_s += time.monotonic() - t
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            self._changed.notify_all()
+
+    def _give_way(self, at: float) -> None:
+        """A stretch of holding reached ``max_s`` at ``at``: background work runs free for
+        ``free_s`` from then, whatever the steps prefill."""
+        self._free_until = at + self.free_s
+        self._release()
 
 
 def prefill_tokens(num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]] | None) -> int:
@@ -72,4 +99,4 @@ def prefill_tokens(num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, 
     return sum(max(0, n - 1 - len(spec.get(req, ()))) for req, n in num_scheduled_tokens.items())
 
 
-__all__ = ["HOLD_MAX_S", "HOLD_TAIL_S", "PrefillHold", "prefill_tokens"]
+__all__ = ["HOLD_FREE_S", "HOLD_MAX_S", "HOLD_TAIL_S", "PrefillHold", "prefill_tokens"]

@@ -446,6 +446,8 @@ class MaintenanceThread:
                     self._wake.clear()
                     continue
                 self.pace()
+                if self._stop.is_set():  # stopped while its pace held it
+                    break
                 report = run_pass(self.store, self.budget, sweep_shards=16 if sweep_due else 0)
                 if sweep_due:
                     last_sweep = time.monotonic()

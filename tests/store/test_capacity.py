@@ -367,3 +367,21 @@ def test_a_maintenance_pass_waits_in_its_pace_and_evicts_nothing_meanwhile(tmp_p
         go.set()
         thread.stop()
     assert thread.error is None and thread.reports and not store.capacity().over_max
+
+
+def test_a_maintenance_thread_stopped_while_its_pace_holds_it_runs_no_pass(tmp_path):
+    import threading
+
+    store = _small_store(tmp_path)
+    _fill(store, range(11))
+    paced = threading.Event()
+
+    def pace() -> None:  # as the connector's hold: a wait with a bound
+        paced.set()
+        threading.Event().wait(0.5)
+
+    thread = MaintenanceThread(store, PassBudget(), 0.05, sweep_every_s=3600, pace=pace).start()
+    assert paced.wait(30), "the maintenance thread never came to its pace"
+    thread.stop()
+    assert thread.error is None and not thread.reports, "a pass ran after the thread was stopped"
+    assert len(store.entries()) == 11
