@@ -53,10 +53,8 @@ class PrefillHold:
             if prefill_tokens <= 0 or now < self._free_until:
                 self._release()  # a decode step: the prefill's first token is out
                 return
-            if self._held and now >= self._since + self.max_s and self._since + self.max_s <= self._until:
-                self._give_way(self._since + self.max_s)  # step after step prefilled for max_s
-                if now < self._free_until:
-                    return
+            if self._give_way_if_due(now) and now < self._free_until:
+                return  # step after step prefilled for max_s
             if not self._held or now >= self._until:  # a new stretch (the last one's tail ran out)
                 self._held, self._since = True, now
             self._until = now + self.max_s
@@ -76,8 +74,7 @@ class PrefillHold:
         with self._changed:  # the publisher and the maintenance thread may both wait
             while self._held and (left := min(self._until, self._since + self.max_s) - time.monotonic()) > 0:
                 self._changed.wait(left)
-            if self._held and self._since + self.max_s <= min(self._until, time.monotonic()):
-                self._give_way(self._since + self.max_s)
+            self._give_way_if_due(time.monotonic())
             self.held_s += time.monotonic() - t
 
     def _release(self) -> None:
@@ -85,11 +82,15 @@ class PrefillHold:
             self._held = False
             self._changed.notify_all()
 
-    def _give_way(self, at: float) -> None:
-        """A stretch of holding reached ``max_s`` at ``at``: background work runs free for
-        ``free_s`` from then, whatever the steps prefill."""
-        self._free_until = at + self.free_s
+    def _give_way_if_due(self, now: float) -> bool:
+        """If this stretch of holding reached ``max_s`` (before its tail ran out), background
+        work runs free for ``free_s`` from then, whatever the steps prefill; True if so."""
+        end = self._since + self.max_s
+        if not self._held or end > min(self._until, now):
+            return False
+        self._free_until = end + self.free_s
         self._release()
+        return True
 
 
 def prefill_tokens(num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]] | None) -> int:
