@@ -268,7 +268,7 @@ HISTOGRAMS: tuple[HistogramMetric, ...] = (
                     "and capture plans, reports, stats.", _STEP_SECONDS),
     HistogramMetric("worker_step_seconds", "Time one engine step spent in the connector's worker "
                     "hooks on the model's thread, restores aside (they are restore_seconds): "
-                    "capture copies into slots, results and stats.", _STEP_SECONDS),
+                    "arming the prefill hold, capture copies into slots, results and stats.", _STEP_SECONDS),
 )
 
 COUNTER_KEYS = frozenset(k for c in COUNTERS for k in c.data_keys)

@@ -331,7 +331,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM binds each step's metadata before its forward (start_load_kv may come after it)
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, SparkcacheConnectorMetadata):
-            self._worker.hold.step(connector_metadata.prefill_tokens)
+            with self._in_step():
+                self._worker.hold.step(connector_metadata.prefill_tokens)
 
     # **kwargs of the two hooks below, typed as in vLLM's signatures: whatever vLLM passes, unused
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -355,8 +356,8 @@ class SparkcacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         # After the forward: a hybrid capture copies the state this step wrote.
         if self._worker is not None:
-            self._worker.hold.step_done()
             with self._in_step():
+                self._worker.hold.step_done()
                 self._worker.capture_after_forward()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -10,6 +10,7 @@ sparkcache's worker half capturing out of vLLM's own CPU KV layout into its stor
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -197,3 +198,64 @@ def test_vllm_binds_a_steps_metadata_before_its_forward_and_starts_its_loads_aft
     assert events == ["bind", "forward", "start_load_kv", "wait_for_save"], events
     # and sparkcache's connector arms its hold in the hook that comes first
     assert "bind_connector_metadata" in vars(SparkcacheConnector)
+
+
+@contextlib.contextmanager
+def _one_rank_worker_groups(vllm_config):
+    """vLLM's distributed groups of a one-rank worker (gloo on 127.0.0.1), initialised as vLLM
+    does before it builds a worker's connector, and torn down after."""
+    import socket
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
+                                                 ensure_model_parallel_initialized,
+                                                 init_distributed_environment)
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+        ensure_model_parallel_initialized(1, 1)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def test_the_holds_hooks_on_the_model_thread_count_into_the_worker_step(tmp_path):
+    """``bind_connector_metadata`` arms the hold and ``wait_for_save`` starts its tail, both on
+    vLLM's model thread: their time is the step's time in the connector
+    (``worker_step_seconds``, the histogram the capture step's 1 ms target reads). Here a
+    background thread keeps the hold's lock for 0.3 s while each hook runs."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from sparkcache.connector.connector import SparkcacheConnector
+
+    s = make_scheduler(str(tmp_path), hybrid=False)
+    s.add_request(request("a", list(range(3, 203))))
+    meta = s.schedule().kv_connector_metadata
+    assert meta.prefill_tokens == 199
+    with _one_rank_worker_groups(s.vllm_config):
+        conn = SparkcacheConnector(s.vllm_config, KVConnectorRole.WORKER, s.kv_cache_config)
+        try:
+            hold = conn._worker.hold
+            for hook in (lambda: conn.bind_connector_metadata(meta), conn.wait_for_save):
+                locked, done = threading.Event(), threading.Event()
+
+                def keep_the_lock() -> None:
+                    with hold._changed:
+                        locked.set()
+                        done.wait(0.3)
+
+                background = threading.Thread(target=keep_the_lock, daemon=True)
+                background.start()
+                assert locked.wait(5)
+                hook()
+                background.join(5)
+                conn.build_connector_worker_meta()  # the step's last worker hook records its time
+                step_s = conn._worker.take_observations()["worker_step_seconds"]
+                assert step_s and step_s[-1] >= 0.25, (hook, step_s)
+        finally:
+            conn.shutdown()
