@@ -75,7 +75,7 @@ def _run(tmp_path, max_bytes, low, use_lease, min_evicted=0):
     root = str(tmp_path / "store")
     cap = {"max_bytes": max_bytes, "low_watermark_bytes": low}  # every writer of a root: one cap
     open_store(root, page_blocks=BPP, **cap)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")  # workers fork from a small server, not from a pytest process that loaded vLLM
     evicted, passes, publishers_done = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
     publishers, others, logs, outs = [], [], [], []
     # conv 0 and 1 are published by two workers each (same bytes: dedup races)
