@@ -204,16 +204,14 @@ def test_vllm_binds_a_steps_metadata_before_its_forward_and_starts_its_loads_aft
 def _one_rank_worker_groups(vllm_config):
     """vLLM's distributed groups of a one-rank worker (gloo on 127.0.0.1), initialised as vLLM
     does before it builds a worker's connector, and torn down after."""
-    import socket
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
                                                  ensure_model_parallel_initialized,
                                                  init_distributed_environment)
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from testing.seaweedfs import free_ports
+
+    (port,) = free_ports(1)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
         ensure_model_parallel_initialized(1, 1)
@@ -242,12 +240,12 @@ def test_the_holds_hooks_on_the_model_thread_count_into_the_worker_step(tmp_path
         try:
             hold = conn._worker.hold
             for hook in (lambda: conn.bind_connector_metadata(meta), conn.wait_for_save):
-                locked, done = threading.Event(), threading.Event()
+                locked = threading.Event()
 
                 def keep_the_lock() -> None:
                     with hold._changed:
                         locked.set()
-                        done.wait(0.3)
+                        time.sleep(0.3)
 
                 background = threading.Thread(target=keep_the_lock, daemon=True)
                 background.start()
