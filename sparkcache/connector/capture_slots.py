@@ -1,9 +1,8 @@
 """A bounded number of capture slots, drained by one publisher thread.
 
-Each slot owns one host buffer of ``slot_bytes``, kept for the process's life (the worker
-makes them all when vLLM registers its KV caches: captures never allocate on the serving
-path). The worker copies a
-capture's pages into its slot, now (a hybrid boundary, whose blocks vLLM may reuse after
+Each slot owns one host buffer of ``slot_bytes``, kept until ``close`` (the worker makes them
+all when vLLM registers its KV caches: captures never allocate on the serving path; its
+``close`` gives them back, not the garbage collector). The worker copies a capture's pages into its slot, now (a hybrid boundary, whose blocks vLLM may reuse after
 this step) or on the publisher thread a slot's worth at a time (a finished request, whose
 blocks vLLM holds until ``finished_sending``), and the publisher writes them to the store.
 What captures hold in host memory is therefore at most ``n_slots x slot_bytes``. When every
@@ -181,6 +180,14 @@ class CaptureSlots(Generic[Job, Tag]):
         return True
 
     def close(self, timeout_s: float = 60.0) -> None:
+        """Drain, stop the publisher and give the slots' buffers back (pinned on CUDA: up to
+        ``n_slots x slot_bytes`` of page-locked memory). Nothing is captured after it: no slot
+        is free any more. A second call does nothing."""
+        if not self._thread.is_alive():  # closed
+            return
         self.drain(timeout_s)
         self._queue.put(None)
         self._thread.join(timeout=5)
+        with self._lock:
+            self._free_slots.clear()
+            self._buffers.clear()  # a publication still running past the timeouts keeps its own

@@ -62,6 +62,13 @@ class RestoreRing:
         self._copied: list[object | None] = [None] * self._slots  # CUDA: after the slot's last copy
         self._staging = torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda else None
 
+    def close(self) -> None:
+        """Give the buffers back once the copies queued have landed (a later restore makes
+        them again)."""
+        with self._lock:
+            self._drain()
+            self._allocate(0)
+
     def restore(self, sizes: Sequence[int], read_into: ReadInto, place: Place, submit: Submit,
                 after: object | None = None) -> tuple[int, object | None]:
         """Read object k (``sizes[k]`` bytes) into a slot, then place it, for every k in order.

@@ -745,6 +745,8 @@ class WorkerSide:
     def close(self) -> None:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
+        if self._ring is not None:
+            self._ring.close()
         if self.slots is not None:
             self.slots.close()
             self._copier.shutdown(wait=True)

@@ -36,11 +36,11 @@ from testing.vllm_kv_caches import BLOCK, NUM_BLOCKS, block_mask, vllm_kv_caches
 PAGES = 40  # pages of one block: ten times the ring
 
 
-def _worker(kv, root, mode: str) -> WorkerSide:
+def _worker(kv, root, mode: str, slot_bytes: str = "4MiB") -> WorkerSide:
     settings = load_settings(env={}, extra_config={
         "root": str(root), "access_mode": mode, "page_blocks": 1, "max_bytes": "64MiB",
         "low_watermark_bytes": "32MiB", "min_span_tokens": BLOCK, "capture_slots": 2,
-        "capture_slot_bytes": "4MiB"})
+        "capture_slot_bytes": slot_bytes})
     layout = describe_kv_layout(kv.config)
     worker = WorkerSide(settings, Identity("restore-ring-test", layout.description, BLOCK, 0, "untransformed"),
                         _open_store(settings), kv.config, layout)
@@ -216,3 +216,47 @@ def test_an_asynchronous_load_on_the_loader_thread_is_reported_once_it_is_done(s
         reader.close()
     if not corrupt:
         assert _wrong_blocks(src, ids, dst, dest) == []
+
+
+def _address_space() -> int:
+    """The process's mapped bytes (the kernel's VmSize): a buffer given back is unmapped."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_close_gives_back_the_capture_slots_and_the_ring_while_the_worker_is_still_referenced(tmp_path):
+    """vLLM keeps its connector after shutting it down, and on CUDA the slots are page-locked.
+    Before, the buffers lived until a full garbage collection (the worker's threads make
+    cycles): in ``make test`` several closed workers' slots, adjacent and merged into one
+    mapping larger than the machine's memory, made every later ``fork`` fail with ENOMEM."""
+    kv = vllm_kv_caches("LBHNC", 4, seed=1)
+    gib = 1 << 30
+    before = _address_space()
+    worker = _worker(kv, tmp_path / "store", "read-write", slot_bytes="1GiB")
+    assert worker._ring is not None, "the test needs a KV cache restored through the ring"
+    assert _address_space() - before >= 2 * gib, "the slots were not made at register_kv_caches"
+    worker.close()
+    worker.close()  # a second close does nothing
+    left = _address_space() - before
+    assert left < gib // 4, f"{left} bytes still mapped after close"
+    assert worker._ring.slot_bytes == 0 and worker.slots.buffer_bytes() == 0
+
+
+def test_a_closed_ring_gives_its_slots_back_and_a_later_restore_makes_them_again():
+    ring = restore_ring.RestoreRing(256 << 20, torch.device("cpu"))
+    before = _address_space()
+    ring.close()
+    assert before - _address_space() >= restore_ring.RING_SLOTS * (256 << 20) * 9 // 10
+    data = [bytes([k]) * 1000 for k in range(6)]
+    got: list[bytes] = []
+
+    def read_into(k: int, buf: memoryview) -> None:
+        buf[:] = data[k]
+
+    def place(k: int, obj: torch.Tensor) -> int:
+        got.append(obj.numpy().tobytes())
+        return obj.numel()
+
+    with ThreadPoolExecutor(2) as pool:
+        placed, _ = ring.restore([len(d) for d in data], read_into, place, pool.submit)
+    assert placed == 6000 and got == data
