@@ -2,9 +2,10 @@
 
 Each slot owns one host buffer of ``slot_bytes``, kept until ``close`` (the worker makes them
 all when vLLM registers its KV caches: captures never allocate on the serving path; its
-``close`` gives them back, not the garbage collector). The worker copies a capture's pages into its slot, now (a hybrid boundary, whose blocks vLLM may reuse after
-this step) or on the publisher thread a slot's worth at a time (a finished request, whose
-blocks vLLM holds until ``finished_sending``), and the publisher writes them to the store.
+``close`` gives them back, not the garbage collector). The worker copies a capture's pages
+into its slot, now (a hybrid boundary, whose blocks vLLM may reuse after this step) or on
+the publisher thread a slot's worth at a time (a finished request, whose blocks vLLM holds
+until ``finished_sending``), and the publisher writes them to the store.
 What captures hold in host memory is therefore at most ``n_slots x slot_bytes``. When every
 slot is taken, or a capture that must be copied at once is larger than one slot, the
 publication is skipped and counted: serving never waits for a slot.
