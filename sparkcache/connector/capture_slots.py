@@ -181,9 +181,9 @@ class CaptureSlots(Generic[Job, Tag]):
         return True
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Drain, stop the publisher and give the slots' buffers back (pinned on CUDA: up to
-        ``n_slots x slot_bytes`` of page-locked memory). Nothing is captured after it: no slot
-        is free any more. A second call does nothing."""
+        """Drain, stop the publisher and, once it has stopped, give the slots' buffers back
+        (pinned on CUDA: up to ``n_slots x slot_bytes`` of page-locked memory). Nothing is
+        captured after it: no slot is free any more. A second call does nothing."""
         if not self._thread.is_alive():  # closed
             return
         self.drain(timeout_s)
@@ -191,4 +191,5 @@ class CaptureSlots(Generic[Job, Tag]):
         self._thread.join(timeout=5)
         with self._lock:
             self._free_slots.clear()
-            self._buffers.clear()  # a publication still running past the timeouts keeps its own
+            if not self._thread.is_alive():  # else a publication past the timeouts still uses them
+                self._buffers.clear()
