@@ -14,6 +14,13 @@ The same for a paired form of the comparison (not the bench's verdict; shown for
 sets the bounds): each cycle's read-write phase over the restore-only phase next to it, the
 median of those ratios, under every swap of the two within a cycle.
 
+With two runs or more, every run's cycles pooled: for each figure the geometric mean of each
+cycle's read-write over restore-only ratio, with its confidence interval (Student's t over the
+runs, each run's mean log ratio one observation: a run's cycles share its hours of the machine),
+and each bound applied to the interval's worse end (decode's lower end, TTFT's and the
+decode-gap p99's upper ends): where those hold, the modes differ by less than the bounds
+at that confidence, whatever one run's verdict did.
+
 Writes nothing but ``--out`` (JSON); the table goes to stdout.
 """
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -66,13 +74,19 @@ def paired_ratios(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
     return {k: statistics.median(rw[k] / ro[k] for rw, ro in pairs) for k in RATIO_KEYS}
 
 
-def paired(phases: list[dict]) -> tuple[bool, int, int]:
-    """As :func:`unpaired`, for the paired form: the bench runs a cycle as two phases in a row."""
+def cycles(phases: list[dict]) -> list[tuple[dict, dict]]:
+    """(read-write, restore-only) of each cycle: the bench runs a cycle as two phases in a row."""
     pairs = []
     for a, b in zip(phases[::2], phases[1::2]):
         if a["mode"] == b["mode"]:
             raise SystemExit(f"phases {a['index']} and {b['index']} are both {a['mode']}: not a cycle")
         pairs.append((a, b) if a["mode"] == READ_WRITE else (b, a))
+    return pairs
+
+
+def paired(phases: list[dict]) -> tuple[bool, int, int]:
+    """As :func:`unpaired`, for the paired form."""
+    pairs = cycles(phases)
     misses = total = 0
     for swaps in itertools.product((False, True), repeat=len(pairs)):
         total += 1
@@ -80,14 +94,54 @@ def paired(phases: list[dict]) -> tuple[bool, int, int]:
     return met(paired_ratios(pairs)), misses, total
 
 
+def t_quantile(p: float, df: int) -> float:
+    """Student's t distribution's ``p`` quantile (``0.5 < p < 1``) with ``df`` degrees of freedom."""
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, steps: int = 4000) -> float:  # 0.5 + the density's integral over [0, x], Simpson's rule
+        h = x / steps
+        f = [scale * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(steps + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+# the interval's end each bound is judged on: the worse one for read-write
+WORSE_END = {"decode_tok_s": "low", "ttft_s": "high", "gap_p99_s": "high"}
+
+
+def pooled(runs: list[list[dict]], confidence: float = 0.95) -> dict:
+    """Every run's cycles together (two runs at least): per figure the geometric mean of the
+    cycles' read-write over restore-only ratios and its ``confidence`` interval, by Student's t
+    over the runs' mean log ratios; ``met``: every bound holds at the interval's worse end."""
+    if len(runs) < 2:
+        raise ValueError("pooling needs two runs at least (the runs are the interval's observations)")
+    t = t_quantile((1 + confidence) / 2, len(runs) - 1)
+    figures = {}
+    for key in RATIO_KEYS:
+        means = [statistics.fmean(math.log(rw[key] / ro[key]) for rw, ro in cycles(phases)) for phases in runs]
+        mean, half = statistics.fmean(means), t * statistics.stdev(means) / math.sqrt(len(means))
+        figures[key] = {"ratio": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half)}
+    met = all(ratio_targets({k: f[WORSE_END[k]] for k, f in figures.items()}).values())
+    return {"runs": len(runs), "cycles": sum(len(cycles(p)) for p in runs), "confidence": confidence,
+            "ratios": figures, "met": met}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replay_b_spread", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", type=Path, nargs="+", help="bench.replay_b_engine --out directories or their JSON")
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = p.parse_args(argv)
-    rows = []
+    rows, runs = [], []
     for run in args.runs:
         phases = load_phases(run)
+        runs.append(phases)
         (u_met, u_miss, u_n), (p_met, p_miss, p_n) = unpaired(phases), paired(phases)
         rows.append({"run": str(run), "met": u_met, "null_misses": u_miss, "namings": u_n,
                      "paired_met": p_met, "paired_null_misses": p_miss, "paired_namings": p_n})
@@ -101,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
                          "runs_met": sum(r[ok] for r in rows), "runs": len(rows)}
         print(f"{form}: with no difference between the modes a run misses {rate:.1%} of the time "
               f"(three in a row meet {(1 - rate) ** 3:.0%}); these runs met {summary[form]['runs_met']} of {len(rows)}")
+    if len(runs) > 1:
+        summary["pooled"] = pool = pooled(runs)
+        figures = ", ".join(f"{k} {f['ratio']:.3f} ({f['low']:.3f}-{f['high']:.3f})" for k, f in pool["ratios"].items())
+        print(f"pooled over {pool['runs']} runs ({pool['cycles']} cycles), read-write over restore-only with "
+              f"{pool['confidence']:.0%} intervals: {figures}; every bound holds at the interval's worse end: "
+              f"{'yes' if pool['met'] else 'no'}")
     if args.out:
         args.out.write_text(json.dumps({"bench": "replay_b_spread", "runs": rows, "summary": summary}, indent=1))
     return 0
