@@ -16,7 +16,7 @@ median of those ratios, under every swap of the two within a cycle.
 
 With two runs or more, every run's cycles pooled: for each figure the geometric mean of each
 cycle's read-write over restore-only ratio, with its confidence interval (Student's t over the
-runs, each run's mean log ratio one observation: a run's cycles share its hours of the machine),
+runs, each run's mean log ratio one observation: a run's cycles share its stretch of the machine),
 and each bound applied to the interval's worse end (decode's lower end, TTFT's and the
 decode-gap p99's upper ends): where those hold, the modes differ by less than the bounds
 at that confidence, whatever one run's verdict did.
